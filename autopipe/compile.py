@@ -1,0 +1,173 @@
+"""compile() and plan(): run the passes trace -> cost -> partition -> codegen, then build the runtime."""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from autopipe.passes.codegen import codegen
+from autopipe.passes.cost import cost
+from autopipe.passes._partition_graph import partition
+from autopipe.passes.trace import trace
+from autopipe.plan import Plan
+from autopipe.runtime.checkpoint import CHECKPOINT_MODES
+from autopipe.runtime.pipeline import Compiled, Pipeline
+
+BALANCE_MODES = ("flops", "params", "time")
+
+
+def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
+    """``devices=N``: N CUDA devices, or N CPU workers without CUDA; or an explicit list."""
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices is None:
+        devices = cuda_count or min(os.cpu_count() or 1, 8)
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise TypeError(f"devices must be an int or a list of devices, got {devices!r}")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        if cuda_count:
+            if devices > cuda_count:
+                raise ValueError(f"devices={devices} asks for {devices} CUDA devices but this host has {cuda_count}; "
+                                 f"pass devices={cuda_count} or a list such as ['cpu'] * {devices}")
+            return [torch.device("cuda", i) for i in range(devices)]
+        return [torch.device("cpu")] * devices
+    if len(devices) == 0:
+        raise ValueError("devices is an empty list: name at least one device, e.g. devices=['cpu', 'cpu']")
+    resolved = []
+    for d in devices:
+        try:
+            device = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"devices: {d!r} is not a device ({e})") from None
+        if device.type == "cuda":
+            if not cuda_count:
+                raise ValueError(f"devices: {d!r} is a CUDA device but CUDA is not available here; use 'cpu' workers")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device.index >= cuda_count:
+                raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) "
+                                 f"(cuda:0..cuda:{cuda_count - 1})")
+        elif device.type not in ("cpu",):
+            raise ValueError(f"devices: {d!r}: autopipe runs stages on 'cpu' or 'cuda' devices")
+        resolved.append(device)
+    return resolved
+
+
+def _check_options(chunks: int, checkpoint: str, balance: Any) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if isinstance(balance, str) and balance not in BALANCE_MODES:
+        raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {balance!r}")
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if example_inputs is None:
+        return ()
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route):
+    traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
+    measure = None
+    if balance == "time":
+        measure = [a for a in traced.graph_module.graph.nodes if a.op == "placeholder"]
+        measure = traced.flat_inputs(args, kwargs)
+        if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
+    costed = cost(traced, measure_inputs=measure)
+    plan = partition(costed, len(devices), devices=devices, chunks=chunks, balance=balance,
+                     tolerance=tolerance, memory_cap=memory_cap)
+    plan.notes.extend(traced.notes)
+    return traced, plan
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Any = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    devices: int | Sequence[str | torch.device] | None = None,
+    chunks: int = 8,
+    balance: str | Sequence[float] = "flops",
+    leaf_modules: Iterable[type | str] = (),
+    tolerance: float = 0.03,
+    memory_cap: float | None = None,
+    route: str = "auto",
+) -> Plan:
+    """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
+
+    ``devices`` here only names stages: an int plans that many stages without checking they exist."""
+    _check_options(chunks, "except_last", balance)
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        device_list = [torch.device("cuda", i) if torch.cuda.is_available() and i < torch.cuda.device_count()
+                       else torch.device("cpu") for i in range(devices)]
+    else:
+        device_list = resolve_devices(devices)
+    _, result = _plan(model, _as_tuple(example_inputs), example_kwargs or {}, device_list, chunks, balance,
+                      leaf_modules, tolerance, memory_cap, route)
+    return result
+
+
+def compile(
+    model: torch.nn.Module,
+    devices: int | Sequence[str | torch.device] | None = None,
+    chunks: int = 8,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+    checkpoint: str = "except_last",
+    balance: str | Sequence[float] = "flops",
+    leaf_modules: Iterable[type | str] = (),
+    tolerance: float = 0.03,
+    memory_cap: float | None = None,
+    intra_op_threads: int | None = None,
+    route: str = "auto",
+) -> Pipeline:
+    """Compile ``model`` into a GPipe pipeline over ``devices`` with ``chunks`` micro-batches.
+
+    Without example inputs the pipeline compiles on its first call, from that call's inputs.
+    The model is not copied: stages hold its own parameters, and gradients land on them.
+    """
+    _check_options(chunks, checkpoint, balance)
+    device_list = resolve_devices(devices)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights "
+                         f"(use autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
+
+    def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
+        traced, result = _plan(model, args, kwargs, device_list, chunks, balance, leaf_modules, tolerance,
+                               memory_cap, route)
+        _place(model, result)
+        stages = codegen(traced.graph_module, result)
+        example = traced.flat_inputs(args, kwargs)
+        return Compiled(traced=traced, plan=result, stages=stages, example_dtypes=[t.dtype for t in example])
+
+    pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads)
+    if example_inputs is not None or example_kwargs:
+        pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
+    return pipe
+
+
+def _place(model: torch.nn.Module, result: Plan) -> None:
+    """Move each parameter and buffer to the device of the first stage that holds it.
+    Parameter objects stay the same (``.data`` is replaced), so optimizers keep working."""
+    if all(s.device.type == "cpu" for s in result.stages):
+        return
+    placed: set[str] = set()
+    for stage in result.stages:
+        for name in stage.params:
+            if name in placed:
+                continue
+            placed.add(name)
+            module_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module_name)
+            tensor = getattr(owner, attr)
+            if tensor.device != stage.device:
+                with torch.no_grad():
+                    tensor.data = tensor.data.to(stage.device)

@@ -1,0 +1,158 @@
+"""Plan: where the cuts are, what crosses them, and what GPipe predicts for it.
+
+The plan is the partition pass's typed result and the thing a user reads
+first (``print(pipe.plan)``). The bubble is GPipe's (K-1)/(M+K-1) (Huang et
+al., 2019, sec. 2.3), kept as a sympy expression so it prints as a formula.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from tabulate import tabulate
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A value that leaves one stage: a cross-cut tensor or a graph output."""
+
+    name: str
+    shape: tuple[int, ...]      # at the traced (whole mini-batch) size
+    dtype: torch.dtype
+    nbytes: int
+    producer: int               # stage index; -1 for a graph input
+    consumers: tuple[int, ...]  # stage indices that read it
+    is_output: bool = False     # also an output of the model
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    device: torch.device
+    nodes: tuple[str, ...]        # graph nodes it owns, in order
+    replicated: tuple[str, ...]   # cheap input-only nodes it recomputes instead of receiving
+    inputs: tuple[str, ...]       # graph inputs and tensors from earlier stages, in call order
+    outputs: tuple[str, ...]      # tensors it sends on or returns as model outputs
+    params: tuple[str, ...]       # qualified names of the parameters and buffers it holds
+    param_bytes: int
+    flops: int
+    cost: float                   # in the units of the balance objective
+
+
+@dataclass
+class Plan:
+    stages: list[StagePlan]
+    tensors: dict[str, TensorInfo]
+    graph_inputs: list[str]
+    graph_outputs: list[str]      # the node behind each flat model output
+    chunks: int
+    balance: str
+    route: str                    # which tracer captured the model
+    lower_bound: float            # max(total / K, largest node): no plan can beat it
+    optimum: float                # the best bottleneck on this node order
+    tolerance: float
+    shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied weights: name -> stages
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(s.cost for s in self.stages)
+
+    @property
+    def total_cost(self) -> float:
+        return sum(s.cost for s in self.stages)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean stage cost; 1.0 is perfectly balanced."""
+        mean = self.total_cost / self.n_stages
+        return self.bottleneck / mean if mean else 1.0
+
+    @property
+    def bubble(self) -> sympy.Expr:
+        K, M = sympy.symbols("K M", positive=True, integer=True)
+        return (K - 1) / (M + K - 1)
+
+    @property
+    def bubble_fraction(self) -> float:
+        K, M = sympy.symbols("K M", positive=True, integer=True)
+        return float(self.bubble.subs({K: self.n_stages, M: self.chunks}))
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Over one device: total work / (slowest stage x (M+K-1)/M clock cycles)."""
+        if not self.bottleneck:
+            return 1.0
+        cycles = (self.chunks + self.n_stages - 1) / self.chunks
+        return self.total_cost / (self.bottleneck * cycles)
+
+    @property
+    def predicted_efficiency(self) -> float:
+        return self.predicted_speedup / self.n_stages
+
+    def cut_tensors(self, cut: int) -> list[TensorInfo]:
+        """Tensors live across the cut between stage ``cut`` and ``cut + 1``."""
+        return [t for t in self.tensors.values() if t.producer >= 0 and t.producer <= cut < max(t.consumers, default=-1)]
+
+    def __str__(self) -> str:
+        total = self.total_cost or 1.0
+        rows = []
+        for s in self.stages:
+            received = [self.tensors[n] for n in s.inputs if n in self.tensors and self.tensors[n].producer >= 0]
+            sent = [self.tensors[n] for n in s.outputs if n in self.tensors]
+            rows.append([
+                s.index,
+                str(s.device),
+                len(s.nodes),
+                _human(s.param_bytes, "B"),
+                f"{100 * s.cost / total:.1f}%",
+                f"{len(received)} / {_human(sum(t.nbytes for t in received), 'B')}",
+                f"{len(sent)} / {_human(sum(t.nbytes for t in sent), 'B')}",
+                _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-"),
+            ])
+        table = tabulate(
+            rows,
+            headers=["stage", "device", "nodes", "params", f"{self.balance} share", "in (n / bytes)", "out (n / bytes)", "receives"],
+            tablefmt="simple",
+        )
+        cuts = []
+        for c in range(self.n_stages - 1):
+            crossing = self.cut_tensors(c)
+            names = ", ".join(f"{t.name}{list(t.shape)}" for t in crossing) or "nothing"
+            cuts.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), {_human(sum(t.nbytes for t in crossing), 'B')}: {_shorten(names, 100)}")
+        K, M = sympy.symbols("K M", positive=True, integer=True)
+        lines = [
+            f"Plan: {self.n_stages} stages x {self.chunks} micro-batches, balanced by {self.balance}, traced by {self.route}",
+            table,
+            "Cuts (tensors crossing, at the whole mini-batch):",
+            *cuts,
+            f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {self.bottleneck / self.lower_bound if self.lower_bound else 1.0:.3f}"
+            f"   (lower bound = max(total/K, largest node))",
+            f"bubble {sympy.sstr(self.bubble)} = {sympy.sstr(self.bubble.subs({K: self.n_stages, M: self.chunks}))}"
+            f" = {self.bubble_fraction:.3f}   predicted speedup {self.predicted_speedup:.2f}x on {self.n_stages} devices"
+            f" (efficiency {100 * self.predicted_efficiency:.0f}%)",
+        ]
+        if self.shared_params:
+            lines.append("shared parameters (one tensor, gradients summed): " + ", ".join(
+                f"{n} in stages {list(s)}" for n, s in self.shared_params.items()))
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _human(n: float, unit: str) -> str:
+    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
+        if abs(n) < 1024 or prefix == "Ti":
+            return f"{n:.0f} {unit}" if prefix == "" else f"{n:.1f} {prefix}{unit}"
+        n /= 1024
+    return f"{n} {unit}"
+
+
+def _shorten(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -1,0 +1,194 @@
+"""Cost pass: per-node FLOPs, parameter bytes and output bytes (and seconds, if asked).
+
+FLOPs come from torch.utils.flop_counter.FlopCounterMode run node by node on
+fake tensors, so costing needs no memory and works for a model on meta.
+FlopCounterMode counts 0 for scaled_dot_product_attention on CPU tensors
+(DESIGN.md, pitfalls), so attention gets its own formula; ops it does not
+count at all (elementwise, norms, softmax) are charged one FLOP per output
+element, so that memory-bound work still weighs something when balancing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from .trace import TracedModel
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int            # forward FLOPs of the node at the traced batch size
+    out_bytes: int        # bytes of the tensors it outputs
+    params: tuple[str, ...]  # qualified names of the parameters and buffers it reads directly
+    seconds: float | None = None  # measured forward time, when balance="time"
+
+
+@dataclass
+class CostedGraph:
+    traced: TracedModel
+    costs: dict[str, NodeCost]        # by node name, for every call_* node
+    tensor_bytes: dict[str, int]      # by qualified name: every parameter and buffer used
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.traced.graph_module.graph
+
+    @property
+    def total_flops(self) -> int:
+        return sum(c.flops for c in self.costs.values())
+
+
+_ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None = None, repeats: int = 3) -> CostedGraph:
+    """Cost every call node of ``traced``; time them on ``measure_inputs`` if given."""
+    gm = traced.graph_module
+    tensor_bytes = {}
+    node_params: dict[str, tuple[str, ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                tensor_bytes[node.target] = _nbytes(value)
+        elif node.op == "call_module":
+            names = []
+            for kind in (gm.get_submodule(node.target).named_parameters(), gm.get_submodule(node.target).named_buffers()):
+                for sub, t in kind:
+                    full = f"{node.target}.{sub}"
+                    tensor_bytes[full] = _nbytes(t)
+                    names.append(full)
+            node_params[node.name] = tuple(names)
+
+    flops = _count_flops(gm)
+    seconds = _measure(gm, measure_inputs, repeats) if measure_inputs is not None else {}
+    costs = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        direct = tuple(a.target for a in node.all_input_nodes if a.op == "get_attr" and a.target in tensor_bytes)
+        costs[node.name] = NodeCost(
+            flops=flops.get(node.name, 0),
+            out_bytes=_value_bytes(node.meta.get("val")),
+            params=node_params.get(node.name, ()) + direct,
+            seconds=seconds.get(node.name),
+        )
+    return CostedGraph(traced=traced, costs=costs, tensor_bytes=tensor_bytes)
+
+
+def _count_flops(gm: fx.GraphModule) -> dict[str, int]:
+    """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    counts: dict[str, int] = {}
+    env: dict[fx.Node, Any] = {}
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            args = fx.node.map_arg(node.args, lambda n: _fake_of(n, mode, env))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: _fake_of(n, mode, env))
+            counter = FlopCounterMode(display=False)
+            try:
+                with counter:
+                    out = _run_node(gm, node, args, kwargs)
+            except Exception:
+                out = node.meta.get("val")
+            env[node] = out
+            counted = counter.get_total_flops()
+            if node.target in _ATTENTION and counted == 0:
+                counted = _attention_flops(args, kwargs)
+            counts[node.name] = int(counted) or _numel(node.meta.get("val"))
+    return counts
+
+
+def _fake_of(node: fx.Node, mode: FakeTensorMode, env: dict) -> Any:
+    if node in env:
+        return env[node]
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+        value = mode.from_tensor(value)
+    elif isinstance(value, torch._subclasses.FakeTensor) and value.fake_mode is not mode:
+        value = mode.from_tensor(value)
+    env[node] = value
+    return value
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs):
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _attention_flops(args, kwargs) -> int:
+    """2 matmuls (QK^T and PV) of 2*L*S*E each per batch and head (torch.utils.flop_counter.sdpa_flop_count)."""
+    q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")])[:3]
+    *batch, length, embed = q.shape
+    source = k.shape[-2]
+    value_embed = v.shape[-1]
+    batch_heads = 1
+    for b in batch:
+        batch_heads *= int(b)
+    return 2 * batch_heads * length * source * (embed + value_embed)
+
+
+def _measure(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], repeats: int) -> dict[str, float]:
+    """Median wall time of each node, run eagerly on real inputs (balance="time")."""
+    samples: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        env: dict[fx.Node, Any] = {}
+        placeholders = iter(inputs)
+        with torch.no_grad():
+            for node in gm.graph.nodes:
+                if node.op == "placeholder":
+                    env[node] = next(placeholders)
+                    continue
+                if node.op == "output":
+                    continue
+                args = fx.node.map_arg(node.args, lambda n: env[n])
+                kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                if node.op == "get_attr":
+                    env[node] = _attr(gm, node.target)
+                    continue
+                start = time.perf_counter()
+                env[node] = _run_node(gm, node, args, kwargs)
+                samples.setdefault(node.name, []).append(time.perf_counter() - start)
+    return {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _numel(value: Any) -> int:
+    return sum(v.numel() for v in _tensors(value))
+
+
+def _value_bytes(value: Any) -> int:
+    return sum(_nbytes(v) for v in _tensors(value))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []

@@ -1,0 +1,330 @@
+"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors.
+
+Both routes produce the same thing, a :class:`TracedModel`: one placeholder per
+tensor leaf of the call's arguments (non-tensor leaves are baked in), and a
+flat tuple of the output's tensor leaves. Flat graphs let the later passes and
+the runtime treat ``model(x, attention_mask=m)`` and ``model(batch_dict)``
+alike; the pytree specs rebuild the user's own structures at the edges.
+
+Route 1 is ``torch.fx.symbolic_trace`` (module-level, readable code).
+Route 2, when fx fails, is non-strict ``torch.export`` with a dynamic batch
+dimension (see ``export_route.py``). Shapes and dtypes come from
+``FakeTensorProp``, so a model on the meta device is traced without memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+class TraceError(RuntimeError):
+    """Neither fx nor torch.export could capture the model."""
+
+
+@dataclass
+class TracedModel:
+    """A flat graph of the model plus what is needed to call it like the model."""
+
+    graph_module: fx.GraphModule
+    route: str                         # "fx" or "export"
+    signature: inspect.Signature       # of model.forward, to bind a call's arguments
+    input_names: list[str]             # placeholder names, one per tensor leaf
+    input_spec: pytree.TreeSpec        # of the bound-arguments dict
+    input_leaves: list[Any]            # non-tensor leaves as traced; None where a tensor goes
+    tensor_positions: list[int]        # leaf index of each placeholder
+    output_spec: pytree.TreeSpec       # of the model's output
+    output_leaves: list[Any]           # non-tensor output leaves; None where a tensor goes
+    output_positions: list[int]        # leaf index of each flat graph output
+    batch_size: int                    # dim 0 of the batch tensors it was traced with
+    notes: list[str] = field(default_factory=list)
+
+    # -- calling convention -------------------------------------------------
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+        """All leaves of a call's arguments, in the traced order."""
+        bound = self.signature.bind(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(dict(bound.arguments))
+        if spec != self.input_spec:
+            raise InputMismatch(
+                f"this call's arguments have structure {spec} but the pipeline was compiled for "
+                f"{self.input_spec}; call it with the same arguments as the first call"
+            )
+        return leaves
+
+    def flat_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        leaves = self.bind(args, kwargs)
+        for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
+            if i in self._tensor_position_set:
+                if not isinstance(now, torch.Tensor):
+                    raise InputMismatch(
+                        f"argument {self.input_names[self.tensor_positions.index(i)]!r} was a tensor "
+                        f"when the pipeline was compiled but is {type(now).__name__} now"
+                    )
+            elif not _same_constant(now, then):
+                raise InputMismatch(
+                    f"non-tensor argument #{i} was {then!r} when the pipeline was compiled and is "
+                    f"{now!r} now; it is baked into the graph"
+                )
+        return [leaves[i] for i in self.tensor_positions]
+
+    def rebuild_output(self, flat: Sequence[Any]) -> Any:
+        leaves = list(self.output_leaves)
+        for pos, value in zip(self.output_positions, flat):
+            leaves[pos] = value
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+    @property
+    def _tensor_position_set(self) -> set[int]:
+        return set(self.tensor_positions)
+
+
+class InputMismatch(ValueError):
+    """A call does not match the arguments the pipeline was compiled for."""
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return a is b
+
+
+def trace(
+    model: torch.nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    leaf_modules: Iterable[type | str] = (),
+    route: str = "auto",
+) -> TracedModel:
+    """Trace ``model(*args, **kwargs)`` into a flat graph with fake-tensor shapes.
+
+    ``route``: "auto" (fx, then export), "fx" or "export".
+    """
+    kwargs = dict(kwargs or {})
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(model).__name__}.forward{signature} cannot take these arguments: {e}") from None
+    arguments = dict(bound.arguments)
+    leaves_with_path, input_spec = pytree.tree_flatten_with_path(arguments)
+    leaves = [leaf for _, leaf in leaves_with_path]
+    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not tensor_positions:
+        raise TypeError(f"{type(model).__name__}.forward was called with no tensor argument; nothing to pipeline")
+    input_names = _unique_names(_path_name(leaves_with_path[i][0]) for i in tensor_positions)
+    batch_size = _batch_size(leaves, tensor_positions, input_names)
+    template = [None if i in tensor_positions else leaf for i, leaf in enumerate(leaves)]
+
+    errors: list[tuple[str, BaseException]] = []
+    result = None
+    if route in ("auto", "fx"):
+        try:
+            result = _trace_fx(model, signature, input_names, input_spec, template, tensor_positions, leaf_modules)
+        except Exception as e:  # fx's failures come in many exception types
+            errors.append(("torch.fx.symbolic_trace", e))
+    if result is None and route in ("auto", "export"):
+        try:
+            result = _trace_export(model, arguments, batch_size, input_names)
+        except Exception as e:
+            errors.append(("torch.export (non-strict, dynamic batch)", e))
+    if result is None:
+        raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
+
+    graph_module, route_taken, output_spec, output_template, output_positions = result
+    flat_example = [leaves[i] for i in tensor_positions]
+    _propagate_fake_shapes(graph_module, flat_example)
+    return TracedModel(
+        graph_module=graph_module,
+        route=route_taken,
+        signature=signature,
+        input_names=input_names,
+        input_spec=input_spec,
+        input_leaves=template,
+        tensor_positions=tensor_positions,
+        output_spec=output_spec,
+        output_leaves=output_template,
+        output_positions=output_positions,
+        batch_size=batch_size,
+        notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors],
+    )
+
+
+# -- fx route -----------------------------------------------------------------
+
+class _LeafTracer(fx.Tracer):
+    """fx's tracer, with user-chosen modules kept whole (as torchgpipe users would with Sequential)."""
+
+    def __init__(self, leaf_modules: Iterable[type | str]):
+        super().__init__()
+        leaf_modules = tuple(leaf_modules)
+        self._leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+        self._leaf_names = {m for m in leaf_modules if isinstance(m, str)}
+
+    def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self._leaf_names or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            if not hasattr(e, "autopipe_module_path"):  # the innermost module names the culprit
+                e.autopipe_module_path = self.path_of_module(m)
+            raise
+
+
+class _FlatRoot(torch.nn.Module):
+    """Shares the model's children, parameters and buffers, so fx names every get_attr and
+    call_module after the model's own qualified names, while forward takes flat tensors."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self._modules = model._modules
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+
+
+def _trace_fx(model, signature, input_names, input_spec, template, tensor_positions, leaf_modules):
+    captured: dict[str, Any] = {}
+
+    def call_model(root, flat):
+        leaves = list(template)
+        for pos, value in zip(tensor_positions, flat):
+            leaves[pos] = value
+        arguments = pytree.tree_unflatten(leaves, input_spec)
+        bound = inspect.BoundArguments(signature, arguments)
+        out = type(model).forward(model, *bound.args, **bound.kwargs)
+        out_leaves, out_spec = _flatten_output(out)
+        is_traced = [isinstance(leaf, fx.Proxy) for leaf in out_leaves]
+        captured["spec"] = out_spec
+        captured["template"] = [None if t else leaf for leaf, t in zip(out_leaves, is_traced)]
+        captured["positions"] = [i for i, t in enumerate(is_traced) if t]
+        return tuple(leaf for leaf, t in zip(out_leaves, is_traced) if t)
+
+    params = ", ".join(input_names)
+    namespace: dict[str, Any] = {"call_model": call_model}
+    exec(f"def forward(self, {params}):\n    return call_model(self, ({params},))\n", namespace)
+    root_type = type(f"{type(model).__name__}Flat", (_FlatRoot,), {"forward": namespace["forward"]})
+    root = root_type(model)
+    tracer = _LeafTracer(leaf_modules)
+    graph = tracer.trace(root)
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    return gm, "fx", captured["spec"], captured["template"], captured["positions"]
+
+
+def _flatten_output(out: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """pytree.tree_flatten, with plain dataclasses registered on first sight (as export needs too)."""
+    def register(obj):
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and type(obj) not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(type(obj))
+        return obj
+    pytree.tree_map(register, out, is_leaf=lambda x: dataclasses.is_dataclass(x) and not isinstance(x, type))
+    return pytree.tree_flatten(out)
+
+
+# -- export route -------------------------------------------------------------
+
+def _trace_export(model, arguments, batch_size, input_names):
+    from .export_route import export_flat_graph
+
+    exported = export_flat_graph(model, arguments, batch_size)
+    gm = exported.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, input_names):
+        if node.name != name:
+            node.name = name  # fx keeps names unique; the flat names are unique already
+            node.target = name
+    gm.recompile()
+    return gm, "export", exported.output_spec, exported.output_leaves, exported.output_positions
+
+
+# -- shapes -------------------------------------------------------------------
+
+def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor]) -> None:
+    """node.meta["val"] for every node, computed on fake tensors: no memory, no compute."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    param_device = next((p.device for p in gm.parameters()), None)
+    fakes = []
+    for t in flat_inputs:
+        if param_device is not None and param_device.type == "meta" and t.device.type != "meta":
+            t = t.to("meta")
+        fakes.append(mode.from_tensor(t))
+    FakeTensorProp(gm, mode).propagate(*fakes)
+
+
+# -- naming and errors --------------------------------------------------------
+
+def _path_name(path: tuple) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    name = re.sub(r"\W+", "_", "_".join(parts)).strip("_") or "input"
+    return name if not name[0].isdigit() else f"input_{name}"
+
+
+def _unique_names(names: Iterable[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        if name in seen:
+            seen[name] += 1
+            name = f"{name}_{seen[name]}"
+        seen.setdefault(name, 0)
+        out.append(name)
+    return out
+
+
+def _batch_size(leaves, tensor_positions, input_names) -> int:
+    first = leaves[tensor_positions[0]]
+    if first.dim() == 0:
+        raise ValueError(f"argument {input_names[0]!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
+    return first.shape[0]
+
+
+def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]]) -> str:
+    lines = [f"autopipe could not trace {type(model).__name__}:"]
+    for route, error in errors:
+        lines.append(f"  - {route}: {type(error).__name__}: {_first_line(error)}")
+        module_path = getattr(error, "autopipe_module_path", None)
+        if module_path:
+            lines.append(f"      in module {module_path!r} ({type(model.get_submodule(module_path)).__name__})")
+        where = _user_frame(error)
+        if where:
+            lines.append(f"      at {where}")
+    lines.append(
+        "What to try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), "
+        "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "
+        "or pass the non-tensor arguments that steer control flow as plain Python values."
+    )
+    return "\n".join(lines)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else repr(error)
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """The innermost frame outside torch and autopipe: the model's own source line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/autopipe/" in path or "/passes/" in path or path.startswith("<"):
+            continue
+        return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+    return None
