@@ -51,21 +51,23 @@ _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_
 def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None = None, repeats: int = 3) -> CostedGraph:
     """Cost every call node of ``traced``; time them on ``measure_inputs`` if given."""
     gm = traced.graph_module
+    canonical = _canonical_names(gm)
     tensor_bytes = {}
     node_params: dict[str, tuple[str, ...]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _attr(gm, node.target)
             if isinstance(value, torch.Tensor):
-                tensor_bytes[node.target] = _nbytes(value)
+                tensor_bytes[canonical.get(node.target, node.target)] = _nbytes(value)
         elif node.op == "call_module":
             names = []
-            for kind in (gm.get_submodule(node.target).named_parameters(), gm.get_submodule(node.target).named_buffers()):
+            sub_module = gm.get_submodule(node.target)
+            for kind in (sub_module.named_parameters(remove_duplicate=False), sub_module.named_buffers(remove_duplicate=False)):
                 for sub, t in kind:
-                    full = f"{node.target}.{sub}"
+                    full = canonical.get(f"{node.target}.{sub}", f"{node.target}.{sub}")
                     tensor_bytes[full] = _nbytes(t)
                     names.append(full)
-            node_params[node.name] = tuple(names)
+            node_params[node.name] = tuple(dict.fromkeys(names))
 
     flops = _count_flops(gm)
     seconds = _measure(gm, measure_inputs, repeats) if measure_inputs is not None else {}
@@ -73,7 +75,8 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        direct = tuple(a.target for a in node.all_input_nodes if a.op == "get_attr" and a.target in tensor_bytes)
+        direct = tuple(canonical.get(a.target, a.target) for a in node.all_input_nodes
+                       if a.op == "get_attr" and canonical.get(a.target, a.target) in tensor_bytes)
         costs[node.name] = NodeCost(
             flops=flops.get(node.name, 0),
             out_bytes=_value_bytes(node.meta.get("val")),
@@ -81,6 +84,15 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
             seconds=seconds.get(node.name),
         )
     return CostedGraph(traced=traced, costs=costs, tensor_bytes=tensor_bytes)
+
+
+def _canonical_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Every name of a parameter or buffer -> its first name: tied weights are one tensor."""
+    first: dict[int, str] = {}
+    canonical = {}
+    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        canonical[name] = first.setdefault(id(t), name)
+    return canonical
 
 
 def _count_flops(gm: fx.GraphModule) -> dict[str, int]:

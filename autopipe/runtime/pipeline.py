@@ -244,13 +244,12 @@ class _Step:
                 if consumer != j:
                     self.backward_done[(consumer, i)].result()
         inputs, outputs = self.saved.pop((j, i))
+        snapshot = []
         if outputs is None:  # re-materialise: same inputs, same random stream, running stats untouched
-            snapshot = [b.clone() for b in self.compiled.running_buffers[j]]
+            if self.stages[j].training:
+                snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]]
             with self._task_context(j, i, grad=True):
                 outputs = stage(*self._stage_args(j, inputs))
-            with torch.no_grad():
-                for b, s in zip(self.compiled.running_buffers[j], snapshot):
-                    b.copy_(s)
         roots, root_grads = [], []
         for name, out in zip(stage.output_names, outputs):
             with self.grad_lock:
@@ -261,6 +260,9 @@ class _Step:
         if roots:
             with self._device_context(stage.device):
                 torch.autograd.backward(roots, root_grads)
+        with torch.no_grad():
+            for buffer, before in snapshot:
+                buffer.copy_(before)
         for name, x in zip(stage.input_names, inputs):
             if x.requires_grad and x.grad is not None:
                 self._add_grad(i, name, x.grad)

@@ -1,0 +1,238 @@
+"""End to end: autopipe.compile gives the plain model's outputs and gradients, on CPU workers."""
+import itertools
+
+import pytest
+import torch
+
+import autopipe
+from models import build, random_inputs, scalar_loss, tensor_leaves
+
+MODELS = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs"]
+
+
+def reference(model, args, kwargs):
+    """Outputs and every parameter's gradient of the plain model."""
+    model.zero_grad()
+    out = model(*args, **kwargs)
+    scalar_loss(out).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out, grads
+
+
+def assert_equivalent(model, pipe, args, kwargs, ref_out, ref_grads, atol=1e-5):
+    out = pipe(*args, **kwargs)
+    assert type(out) is type(ref_out)
+    for got, want in zip(tensor_leaves(out), tensor_leaves(ref_out), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+    scalar_loss(out).backward()
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            assert p.grad is not None, f"{name} got no gradient"
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+    model.zero_grad()
+
+
+def setup(name, batch=8):
+    model = build(name)
+    if name in ("gpt", "resnet"):
+        model.eval()  # dropout off / BatchNorm statistics fixed: exact comparison (train mode is tested below)
+    g = torch.Generator().manual_seed(1)
+    args, kwargs = random_inputs(name, batch, g)
+    return model, args, kwargs
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("devices,chunks,checkpoint", [
+    (1, 1, "never"), (2, 2, "always"), (2, 8, "except_last"), (3, 4, "never"), (4, 8, "always"), (4, 4, "except_last"),
+])
+def test_outputs_and_gradients_equal_plain_model(name, devices, chunks, checkpoint):
+    model, args, kwargs = setup(name)
+    ref_out, ref_grads = reference(model, args, kwargs)
+    pipe = autopipe.compile(model, devices=devices, chunks=chunks, checkpoint=checkpoint)
+    assert_equivalent(model, pipe, args, kwargs, ref_out, ref_grads)
+    assert len(pipe.stages) == devices
+
+
+@pytest.mark.parametrize("devices,chunks,checkpoint", list(itertools.product([1, 2, 3, 4], [1, 2, 4, 8], ["always", "except_last", "never"])))
+def test_mlp_full_grid(devices, chunks, checkpoint):
+    model, args, kwargs = setup("mlp")
+    ref_out, ref_grads = reference(model, args, kwargs)
+    pipe = autopipe.compile(model, devices=devices, chunks=chunks, checkpoint=checkpoint, example_inputs=args)
+    assert_equivalent(model, pipe, args, kwargs, ref_out, ref_grads)
+
+
+def test_gradients_land_on_the_models_own_parameters_and_optimizer_trains():
+    """Five AdamW steps through the pipeline leave the same weights as five plain steps."""
+    import copy
+    model, args, _ = setup("mlp", batch=16)
+    plain = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    target = torch.randn(16, 4)
+    losses = []
+    for _ in range(5):
+        for net, optimizer in ((pipe, opt), (plain, opt_plain)):
+            loss = torch.nn.functional.mse_loss(net(*args), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    state = model.state_dict()
+    fresh = build("mlp")
+    fresh.load_state_dict(pipe.state_dict())
+    torch.testing.assert_close(fresh(*args), model(*args))
+    assert set(state) == set(pipe.state_dict())
+
+
+def test_tied_weights_stay_one_parameter_with_one_gradient():
+    model, args, kwargs = setup("gpt")
+    ref_out, ref_grads = reference(model, args, kwargs)
+    pipe = autopipe.compile(model, devices=4, chunks=2)
+    assert_equivalent(model, pipe, args, kwargs, ref_out, ref_grads)
+    assert "wte.weight" in pipe.plan.shared_params
+    assert pipe.plan.shared_params["wte.weight"][0] == 0 and pipe.plan.shared_params["wte.weight"][-1] == 3
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_stage_state_dict_uses_the_models_names():
+    model, args, _ = setup("gpt")
+    pipe = autopipe.compile(model, devices=2, chunks=2, example_inputs=args)
+    names = set(model.state_dict())
+    for stage in pipe.stages:
+        assert set(stage.state_dict()) <= names
+        for n, p in stage.named_parameters():
+            assert p is model.get_parameter(n)
+
+
+def test_dropout_replays_in_recompute_and_is_reproducible():
+    """Train mode with dropout: recomputation draws the forward's masks, so checkpoint modes agree,
+    and a fixed seed gives the same loss and gradients run to run, whatever the thread timing."""
+    model = build("gpt").train()
+    args, _ = random_inputs("gpt", 8, torch.Generator().manual_seed(3))
+    results = []
+    for checkpoint in ["never", "always", "except_last", "always"]:
+        pipe = autopipe.compile(model, devices=3, chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(1234)
+        out = pipe(*args)
+        scalar_loss(out).backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad()
+    out0, grads0 = results[0]
+    for out, grads in results[1:]:
+        torch.testing.assert_close(out, out0, rtol=0, atol=0)
+        for n in grads0:
+            torch.testing.assert_close(grads[n], grads0[n], rtol=1e-5, atol=1e-6)
+    torch.manual_seed(99)
+    other = pipe(*args)
+    assert not torch.equal(other, out0), "a different seed must draw different dropout masks"
+
+
+def test_dropout_zero_in_train_mode_equals_plain():
+    model = build("gpt").train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    args, kwargs = random_inputs("gpt", 8, torch.Generator().manual_seed(3))
+    ref_out, ref_grads = reference(model, args, kwargs)
+    assert_equivalent(model, autopipe.compile(model, devices=2, chunks=4), args, kwargs, ref_out, ref_grads)
+
+
+def test_eval_and_no_grad_run_without_saving_for_backward():
+    model, args, _ = setup("mlp")
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    with torch.no_grad():
+        out = pipe(*args)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, model(*args))
+
+
+def test_batch_that_does_not_divide_by_chunks_and_batch_smaller_than_chunks():
+    model, _, _ = setup("mlp")
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(pipe(x), model(x))
+    small = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="smaller than chunks"):
+        torch.testing.assert_close(pipe(small), model(small))
+
+
+def test_loss_inside_model_is_micro_batch_weighted_mean():
+    model, args, kwargs = setup("kwargs", batch=7)
+    ref = model(*args, **kwargs)["loss"]
+    pipe = autopipe.compile(model, devices=2, chunks=3)
+    out = pipe(*args, **kwargs)
+    torch.testing.assert_close(out["loss"], ref)
+    assert set(out) == {"logits", "loss", "hidden"}
+
+
+def test_input_gradients_flow_back():
+    model, args, _ = setup("two_inputs")
+    a, b = (t.clone().requires_grad_(True) for t in args)
+    scalar_loss(model(a, b)).backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    model.zero_grad()
+    pipe = autopipe.compile(model, devices=3, chunks=4)
+    scalar_loss(pipe(a, b)).backward()
+    torch.testing.assert_close(a.grad, ga)
+    torch.testing.assert_close(b.grad, gb)
+
+
+def test_step_runs_forward_and_backward():
+    model, args, _ = setup("mlp", batch=8)
+    target = torch.randn(8, 4)
+    loss_ref = torch.nn.functional.mse_loss(model(*args), target)
+    loss_ref.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    loss = pipe.step(*args, target=target, loss_fn=torch.nn.functional.mse_loss)
+    torch.testing.assert_close(loss, loss_ref.detach())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n])
+
+
+def test_new_input_shape_replans():
+    model, _, _ = setup("gpt")
+    pipe = autopipe.compile(model, devices=2, chunks=2)
+    x16 = torch.randint(0, 64, (4, 16))
+    x8 = torch.randint(0, 64, (4, 8))
+    torch.testing.assert_close(pipe(x16), model(x16))
+    torch.testing.assert_close(pipe(x8), model(x8))
+    assert len(pipe._compiled) == 2
+
+
+def test_plan_and_code_print():
+    model, args, _ = setup("gpt")
+    pipe = autopipe.compile(model, devices=4, chunks=8, example_inputs=args)
+    text = str(pipe.plan)
+    assert "stage" in text and "bubble" in text and "(K - 1)/(K + M - 1)" in text
+    assert "3/11" in text
+    code = pipe.stages[1].code
+    assert "def forward(self" in code and "blocks" in code
+    assert "_tensor_constant" not in code
+    assert repr(pipe).startswith("Pipeline(GPT")
+
+
+def test_save_code_writes_one_file_per_stage(tmp_path):
+    model, args, _ = setup("unet")
+    pipe = autopipe.compile(model, devices=3, chunks=2, example_inputs=args)
+    paths = pipe.save_code(tmp_path / "stages")
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["stage_0.py", "stage_1.py", "stage_2.py"]
+    for p in paths:
+        compile(open(p).read(), p, "exec")
+
+
+def test_plan_a_48_block_gpt_on_meta_without_allocating():
+    with torch.device("meta"):
+        model = __import__("models").GPT(vocab=50304, d=1024, heads=16, layers=48, block=256)
+    x = torch.empty(8, 256, dtype=torch.long, device="meta")
+    plan = autopipe.plan(model, (x,), devices=8, chunks=32)
+    assert plan.n_stages == 8 and plan.imbalance < 1.2
+    assert all(p.device.type == "meta" for p in model.parameters())
