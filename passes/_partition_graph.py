@@ -81,6 +81,9 @@ def partition(
     end = len(order)
     consumers: list[list[int]] = []
     for n in order:
+        if not _is_tensor_valued(n):  # sizes and other Python values travel for free in-process
+            consumers.append([])
+            continue
         users = [index[u] for u in n.users if u in index]
         if n in output_args:
             users.append(end)  # model outputs travel to the end of the pipeline
@@ -123,6 +126,12 @@ def partition(
         stage_of_index.extend([s] * (stop - starts[s]))
     return _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, devices, chunks,
                        balance, tolerance, optimum, output_args)
+
+
+def _is_tensor_valued(n: _fx.Node) -> bool:
+    val = n.meta.get("val")
+    return isinstance(val, _torch.Tensor) or (
+        isinstance(val, (list, tuple)) and any(isinstance(v, _torch.Tensor) for v in val))
 
 
 def _is_param(gm: _fx.GraphModule, name: str) -> bool:

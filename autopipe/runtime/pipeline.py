@@ -164,7 +164,11 @@ class _Step:
                 self.forward_done[(producer, i)].result()
         inputs = []
         for name in stage.input_names:
-            x = self.values[(i, name)].detach()
+            x = self.values[(i, name)]
+            if not isinstance(x, torch.Tensor):  # a size or other Python value computed upstream
+                inputs.append(x)
+                continue
+            x = x.detach()
             if x.device != stage.device:
                 x = x.to(stage.device)
             if self.requires_grad[(i, name)] and (x.is_floating_point() or x.is_complex()):
@@ -175,8 +179,12 @@ class _Step:
         with self._task_context(j, i, grad=keep_graph):
             outputs = stage(*self._stage_args(j, inputs))
         self.saved[(j, i)] = (inputs, None if recompute else outputs)
-        any_grad = self.param_requires_grad[j] or any(x.requires_grad for x in inputs)
+        any_grad = self.param_requires_grad[j] or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
         for name, out in zip(stage.output_names, outputs):
+            if not isinstance(out, torch.Tensor):
+                self.values[(i, name)] = out
+                self.requires_grad[(i, name)] = False
+                continue
             self.values[(i, name)] = out.detach()
             differentiable = out.is_floating_point() or out.is_complex()
             self.requires_grad[(i, name)] = self.training and differentiable and (out.requires_grad if keep_graph else any_grad)
@@ -254,7 +262,7 @@ class _Step:
         for name, out in zip(stage.output_names, outputs):
             with self.grad_lock:
                 g = self.grads.pop((i, name), None)
-            if g is not None and out.requires_grad:
+            if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 roots.append(out)
                 root_grads.append(g.to(out.device) if g.device != out.device else g)
         if roots:
@@ -264,7 +272,7 @@ class _Step:
             for buffer, before in snapshot:
                 buffer.copy_(before)
         for name, x in zip(stage.input_names, inputs):
-            if x.requires_grad and x.grad is not None:
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.grad is not None:
                 self._add_grad(i, name, x.grad)
 
     def _add_grad(self, i: int, name: str, grad: torch.Tensor) -> None:
