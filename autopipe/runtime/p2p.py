@@ -274,6 +274,11 @@ class P2PGPipe:
         self._store = dist.PrefixStore(name, base)
         self._failed: str | None = None  # set once this pipeline is dead
         self._remote: str | None = None  # set by the watchdog: another rank's report
+        # Extra store clients (own TCP connections): one the watchdog blocks
+        # in, one with a short timeout for failure reports.
+        self._wstore = self._store.clone()
+        self._rstore = self._store.clone()
+        self._rstore.set_timeout(timedelta(seconds=5))
         self.last_stats: dict[str, float] = {}
 
         r = self.rank
@@ -289,6 +294,7 @@ class P2PGPipe:
         self._zeros: dict[tuple[str, int], torch.Tensor] = {}
 
         self._check_spec()
+        self._store.delete_key(f"wake/{r}")
         self._wd: threading.Thread | None = None
         self._wd_stop = threading.Event()
         if watchdog and world > 1:
@@ -372,62 +378,84 @@ class P2PGPipe:
             pass  # the expected "Timed out waiting 1ms": the context is now closed
 
     def _watch(self) -> None:
-        store = self._store.clone()
+        """Watchdog thread: sleeps in a store wait until some rank reports a
+        failure (or the store dies), then poisons this rank's gloo context so
+        that the main thread's pending wait fails now."""
+        store = self._wstore
         key = f"wake/{self.rank}"
         while not self._wd_stop.is_set():
             try:
-                # event-driven: the failing rank sets wake/<r> for every r. Long
-                # timeout because each expiry logs a c10d warning.
+                # Event-driven, no polling: a failing rank sets wake/<r> for
+                # every r. Long timeout because each expiry logs a c10d warning.
                 store.wait([key], timedelta(seconds=3600))
             except dist.DistStoreError:
-                continue  # the wait timed out (nothing failed) -- or close() raced
-            except Exception as err:  # noqa: BLE001 - store gone: its host rank died
+                continue  # timed out: nothing happened for an hour
+            except Exception as err:  # noqa: BLE001 - the store is gone: its host died
                 if self._wd_stop.is_set():
                     return
                 self._remote = (
-                    f"rank {self.rank} lost the rendezvous store ({type(err).__name__}: {err}); "
-                    "the rank hosting it (rank 0 with a tcp:// init_method) probably died"
+                    f"rank {self.rank} lost the rendezvous store ({type(err).__name__}); the rank "
+                    "hosting it (rank 0 with a tcp:// init_method) probably died"
                 )
                 self._poison()
                 return
             if self._wd_stop.is_set():
                 return
             try:
+                if not store.check(["failed"]):
+                    store.delete_key(key)  # a stray wake-up (a closed earlier pipeline)
+                    continue
                 self._remote = store.get("failed").decode()
             except Exception as err:  # noqa: BLE001
-                self._remote = f"another rank failed (report unreadable: {err})"
+                self._remote = f"another rank failed (its report is unreadable: {err})"
             self._poison()
             return
 
-    def _report(self, msg: str) -> str:
-        """Publish ``msg`` unless a failure was reported first; return the first report."""
-        first = msg
+    def _report(self, msg: str) -> tuple[str, bool]:
+        """Publish ``msg`` unless a failure was reported first.
+
+        Returns (the first report, whether the store could be reached). Uses
+        its own store client with a short timeout, so a dead store host costs
+        at most a few seconds here and the default group's store keeps its
+        own timeout.
+        """
         try:
-            self._store.set_timeout(timedelta(seconds=5))
-            first = self._store.compare_set("failed", "", msg).decode() or msg
-            self._store.multi_set([f"wake/{q}" for q in range(self.spec.world)], ["1"] * self.spec.world)
-        except Exception as err:  # noqa: BLE001 - store unreachable; keep our own message
-            first = f"{msg} (could not reach the store to compare with other ranks: {err})"
-        return first
+            first = self._rstore.compare_set("failed", "", msg).decode() or msg
+            w = self.spec.world
+            self._rstore.multi_set([f"wake/{q}" for q in range(w)], ["1"] * w)
+            return first, True
+        except Exception:  # noqa: BLE001 - store unreachable: keep our own message
+            return msg, False
+
+    def _describe(self, err: BaseException, where: str) -> str:
+        r = self.rank
+        if not isinstance(err, _CommError):
+            return f"rank {r} failed in {where}: {type(err).__name__}: {err}"
+        text = str(err.err)
+        if "Timed out" in text:
+            return (
+                f"rank {r}: {err.what} timed out after {self.timeout.total_seconds():g} s: "
+                f"rank {err.peer} is hung or far too slow"
+            )
+        return (
+            f"rank {r}: {err.what} failed: rank {err.peer} closed its connections "
+            f"(it died, or failed itself) [{type(err.err).__name__}: {text.splitlines()[0][:200]}]"
+        )
 
     def _fail(self, err: BaseException, where: str) -> PipelineError:
-        r = self.rank
-        if isinstance(err, _CommError):
-            if self._remote is not None:
-                msg = self._remote
-            else:
-                msg = (
-                    f"rank {r}: {err.what} failed, rank {err.peer} unreachable "
-                    f"(died or closed its connections): {type(err.err).__name__}: {err.err}"
-                )
-        else:
-            msg = f"rank {r} failed in {where}: {type(err).__name__}: {err}"
-        first = self._report(msg)
+        """Report, poison, and build the error this rank raises."""
+        mine = self._describe(err, where)
+        first, reachable = self._report(self._remote or mine)
         self._poison()
+        if not reachable:
+            first = (
+                f"{mine} (the rendezvous store is unreachable too: the rank hosting it, "
+                "rank 0 with a tcp:// init_method, probably died)"
+            )
         self._failed = first
-        if first == msg:
+        if first == mine:
             return PipelineError(f"pipeline step failed: {first}")
-        return PipelineError(f"pipeline step failed: {first} [seen from rank {r} as: {msg}]")
+        return PipelineError(f"pipeline step failed: {first} [seen from rank {self.rank} as: {mine}]")
 
     def close(self) -> None:
         """Stop the watchdog (the pipeline stays usable only if nothing failed)."""
@@ -435,9 +463,10 @@ class P2PGPipe:
         if self._wd is not None and self._failed is None:
             try:
                 self._store.set(f"wake/{self.rank}", "close")
+                self._wd.join(timeout=5)
+                self._store.delete_key(f"wake/{self.rank}")
             except Exception:  # noqa: BLE001
                 pass
-            self._wd.join(timeout=5)
 
     # -- the step ----------------------------------------------------------------
     def step(
@@ -457,7 +486,8 @@ class P2PGPipe:
         if self._failed is not None:
             raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
         if self._remote is not None:
-            raise self._fail(RuntimeError("reported by the watchdog"), "between steps")
+            self._failed = self._remote
+            raise PipelineError(f"pipeline step failed: {self._remote}")
         spec, M = self.spec, self.spec.chunks
         if isinstance(inputs, torch.Tensor):
             if len(self._locals) != 1:
@@ -483,14 +513,15 @@ class P2PGPipe:
                 if isinstance(target, (tuple, list))
                 else [(t,) for t in target.tensor_split(M)]
             )
-        where = "setup"
         try:
             return self._step(local_mbs, tgt if self._is_last else None, loss_fn)
         except PipelineError:
             raise
-        except BaseException as err:  # noqa: BLE001
-            where = getattr(err, "_autopipe_where", where)
-            raise self._fail(err, where) from err
+        except Exception as err:
+            raise self._fail(err, getattr(err, "_autopipe_where", "the step")) from err
+        except BaseException as err:  # KeyboardInterrupt, SystemExit: still tell the others
+            self._fail(err, getattr(err, "_autopipe_where", "the step"))
+            raise
 
     def _step(self, local_mbs, tgt, loss_fn) -> torch.Tensor | None:
         spec, M, r = self.spec, self.spec.chunks, self.rank

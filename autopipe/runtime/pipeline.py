@@ -28,6 +28,7 @@ import torch
 from . import microbatch
 from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
 from .schedule import Schedule
+from .timeline import Clock, Timeline
 from .worker import Worker
 
 
@@ -146,6 +147,8 @@ class _Step:
                 self.requires_grad[(i, name)] = training and source.requires_grad
         self.param_requires_grad = [any(p.requires_grad for p in s.parameters()) for s in self.stages]
         self.generators = {}
+        self.timeline = Timeline(len(self.stages), self.chunks)
+        self.clock = Clock(self.timeline)
 
     # -- forward -------------------------------------------------------------
     def forward(self) -> list[torch.Tensor]:
@@ -170,13 +173,14 @@ class _Step:
                 continue
             x = x.detach()
             if x.device != stage.device:
-                x = x.to(stage.device)
+                with self.clock(j, i, "copy"):
+                    x = x.to(stage.device)
             if self.requires_grad[(i, name)] and (x.is_floating_point() or x.is_complex()):
                 x.requires_grad_(True)
             inputs.append(x)
         recompute = self.training and checkpoints(self.checkpoint, i, self.chunks)
         keep_graph = self.training and not recompute
-        with self._task_context(j, i, grad=keep_graph):
+        with self.clock(j, i, "forward"), self._task_context(j, i, grad=keep_graph):
             outputs = stage(*self._stage_args(j, inputs))
         self.saved[(j, i)] = (inputs, None if recompute else outputs)
         any_grad = self.param_requires_grad[j] or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
@@ -251,12 +255,17 @@ class _Step:
             for consumer in self.plan.tensors[name].consumers:
                 if consumer != j:
                     self.backward_done[(consumer, i)].result()
+        with self.clock(j, i, "backward"):
+            self._backward_compute(j, i)
+
+    def _backward_compute(self, j: int, i: int):
+        stage = self.stages[j]
         inputs, outputs = self.saved.pop((j, i))
         snapshot = []
         if outputs is None:  # re-materialise: same inputs, same random stream, running stats untouched
             if self.stages[j].training:
                 snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]]
-            with self._task_context(j, i, grad=True):
+            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True):
                 outputs = stage(*self._stage_args(j, inputs))
         roots, root_grads = [], []
         for name, out in zip(stage.output_names, outputs):
@@ -400,6 +409,7 @@ class Pipeline(torch.nn.Module):
         self._build = build
         self._compiled: dict[Any, Compiled] = {}
         self._current: Compiled | None = None
+        self.timeline = Timeline(len(devices), chunks)  # of the last step; printable
         cpu_workers = sum(1 for d in devices if d.type == "cpu")
         self.intra_op_threads = intra_op_threads or max(1, (os.cpu_count() or 1) // max(cpu_workers, 1))
         self.workers = [Worker(d, f"autopipe-stage{j}", self.intra_op_threads if d.type == "cpu" else None)
@@ -486,6 +496,7 @@ class Pipeline(torch.nn.Module):
         training = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.model.parameters()) or any(t.requires_grad for t in flat))
         step = _Step(self, compiled, flat, sizes, training)
+        self.timeline = step.timeline
         if training:
             anchor = torch.empty(0, requires_grad=True)
             needing = [t for t in flat if t.requires_grad]

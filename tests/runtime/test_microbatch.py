@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from autopipe.runtime import microbatch
+
+
+def test_sizes_cover_the_batch_and_differ_by_at_most_one():
+    assert microbatch.micro_batch_sizes(10, 4) == [3, 3, 2, 2]
+    assert microbatch.micro_batch_sizes(8, 8) == [1] * 8
+
+
+def test_split_and_merge_roundtrip_with_scalar_broadcast():
+    x, s = torch.randn(10, 3), torch.tensor(2.0)
+    parts = microbatch.split([x, s], ["x", "s"], [4, 3, 3])
+    assert [p[0].shape[0] for p in parts] == [4, 3, 3]
+    assert all(p[1] is s for p in parts)
+    torch.testing.assert_close(microbatch.merge([p[0] for p in parts], [4, 3, 3]), x)
+
+
+def test_scalar_outputs_merge_as_weighted_mean_and_grads_split_back():
+    parts = [torch.tensor(1.0), torch.tensor(4.0)]
+    assert microbatch.merge(parts, [3, 1]).item() == pytest.approx(1.75)
+    grads = microbatch.split_grad(torch.tensor(1.0), parts[0], [3, 1])
+    assert [g.item() for g in grads] == [0.75, 0.25]
+
+
+def test_batch_mismatch_names_the_argument():
+    with pytest.raises(microbatch.BatchMismatch, match="'mask' has 5 rows"):
+        microbatch.split([torch.randn(8, 2), torch.randn(5, 2)], ["x", "mask"], [4, 4])
+
+
+def test_chunks_must_be_positive():
+    with pytest.raises(ValueError, match="chunks"):
+        microbatch.micro_batch_sizes(8, 0)
