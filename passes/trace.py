@@ -46,6 +46,7 @@ class TracedModel:
     output_leaves: list[Any]           # non-tensor output leaves; None where a tensor goes
     output_positions: list[int]        # leaf index of each flat graph output
     batch_size: int                    # dim 0 of the batch tensors it was traced with
+    example_arguments: dict[str, Any] = field(default_factory=dict)  # argument name -> its kind when traced
     notes: list[str] = field(default_factory=list)
 
     # -- calling convention -------------------------------------------------
@@ -156,6 +157,7 @@ def trace(
         output_leaves=output_template,
         output_positions=output_positions,
         batch_size=batch_size,
+        example_arguments={k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in arguments.items()},
         notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors],
     )
 
@@ -293,7 +295,15 @@ def _batch_size(leaves, tensor_positions, input_names) -> int:
     first = leaves[tensor_positions[0]]
     if first.dim() == 0:
         raise ValueError(f"argument {input_names[0]!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
-    return first.shape[0]
+    batch = first.shape[0]
+    for name, pos in zip(input_names, tensor_positions):
+        t = leaves[pos]
+        if t.dim() > 0 and t.shape[0] != batch:
+            raise ValueError(
+                f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} (from {input_names[0]!r}); "
+                f"every tensor argument must carry the same batch in dim 0 (keep other tensors as module buffers)"
+            )
+    return batch
 
 
 def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]]) -> str:

@@ -244,6 +244,11 @@ class P2PGPipe:
         loss_fn: default loss function for :meth:`step`.
         watchdog: start the thread that turns other ranks' failure reports into
             an error here while this rank is blocked in a wait.
+        confirm: end each step with a barrier, so that a step returns on a
+            rank only if it completed on every rank (a failure anywhere fails
+            the step everywhere). Without it, a rank whose part was done
+            before another rank failed returns normally and learns of the
+            failure at its next step.
         name: prefix of this pipeline's store keys (distinct per pipeline).
     """
 
@@ -258,11 +263,13 @@ class P2PGPipe:
         ops: str = "pg",
         loss_fn: Callable[..., torch.Tensor] | None = None,
         watchdog: bool = True,
+        confirm: bool = True,
         name: str = "autopipe_p2p",
     ) -> None:
         if ops not in ("pg", "isend", "batch"):
             raise ValueError(f"ops must be 'pg', 'isend' or 'batch', not {ops!r}")
         self.stage, self.spec, self.ops, self.loss_fn = stage, spec, ops, loss_fn
+        self.confirm = confirm
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         world = dist.get_world_size(self.group)
@@ -448,9 +455,9 @@ class P2PGPipe:
         first, reachable = self._report(self._remote or mine)
         self._poison()
         if not reachable:
-            first = (
-                f"{mine} (the rendezvous store is unreachable too: the rank hosting it, "
-                "rank 0 with a tcp:// init_method, probably died)"
+            first = mine = (
+                "the rendezvous store is unreachable, so the rank hosting it (rank 0 with a "
+                f"tcp:// init_method) probably died or exited; rank {self.rank} saw: {mine}"
             )
         self._failed = first
         if first == mine:
@@ -665,6 +672,15 @@ class P2PGPipe:
 
         t0 = time.perf_counter()
         self._wait(sends)
+        if self.confirm and spec.world > 1:
+            # Every rank returns only once every rank has finished the step, so
+            # a failure anywhere fails the step everywhere (no rank goes on to
+            # an optimizer step with the others' gradients incomplete).
+            try:
+                work = dist.barrier(group=self.group, async_op=True)
+            except RuntimeError as err:
+                raise _CommError("the end-of-step barrier", (r + 1) % spec.world, err) from err
+            self._wait([(work, (r + 1) % spec.world, "the end-of-step barrier")])
         wait_s += time.perf_counter() - t0
         self.last_stats = {"step_s": time.perf_counter() - t_start, "wait_s": wait_s}
         return total

@@ -476,15 +476,33 @@ class Pipeline(torch.nn.Module):
         key = self._key(args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
+            if self._current is not None:
+                self._check_same_kinds(self._current, args, kwargs)
             compiled = self._build(args, kwargs)
             self._compiled[key] = compiled
         self._current = compiled
         return compiled
 
+    @staticmethod
+    def _check_same_kinds(compiled: Compiled, args, kwargs) -> None:
+        """A new shape or a different set of keyword arguments re-plans; a tensor argument
+        that became something else is a mistake, named here before anything runs."""
+        signature = compiled.traced.signature
+        try:
+            now = signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(f"the pipeline's model cannot take these arguments: {e}") from None
+        before = compiled.traced.example_arguments
+        for name, value in now.items():
+            was = before.get(name)
+            if isinstance(was, torch.Tensor) and value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"argument {name!r} must be a tensor with the batch in dim 0 (it was one when the "
+                                f"pipeline was compiled), got {type(value).__name__}")
+
     def _key(self, args, kwargs):
         import torch.utils._pytree as pytree
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        shapes = tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
+        shapes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
         return (self.model.training, str(spec), shapes)
 
     def forward(self, *args, **kwargs):

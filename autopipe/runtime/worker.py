@@ -49,6 +49,8 @@ class Worker:
                 future.set_result(fn())
             except BaseException as e:  # handed to the caller, who re-raises it
                 future.set_exception(e)
+                del e
+            del item, fn, future  # the task closure holds the step; let the pipeline be collected
 
     def close(self, timeout: float | None = 10.0) -> None:
         thread = self._thread
