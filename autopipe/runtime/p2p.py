@@ -302,6 +302,8 @@ class P2PGPipe:
 
         self._check_spec()
         self._store.delete_key(f"wake/{r}")
+        self._poisoned = False
+        self._poison_lock = threading.Lock()
         self._wd: threading.Thread | None = None
         self._wd_stop = threading.Event()
         if watchdog and world > 1:
@@ -376,8 +378,10 @@ class P2PGPipe:
     def _poison(self) -> None:
         """Make gloo close every pair of this rank's context, so that each peer
         blocked on us fails now instead of at its timeout."""
-        if self.spec.world < 2:
-            return
+        with self._poison_lock:
+            if self._poisoned or self.spec.world < 2:
+                return
+            self._poisoned = True
         peer = (self.rank + 1) % self.spec.world
         try:
             self.group.recv([torch.empty(1)], peer, _POISON_TAG).wait(timedelta(milliseconds=1))

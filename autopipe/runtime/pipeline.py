@@ -27,6 +27,7 @@ import torch
 
 from . import microbatch
 from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
+from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
 from .schedule import Schedule
 from .timeline import Clock, Timeline
 from .worker import Worker
@@ -149,9 +150,14 @@ class _Step:
         self.generators = {}
         self.timeline = Timeline(len(self.stages), self.chunks)
         self.clock = Clock(self.timeline)
+        self.memory = MemoryReport([StageMemory() for _ in self.stages], self.checkpoint)
+        self.param_ids = [{id(p) for p in s.parameters()} for s in self.stages]
 
     # -- forward -------------------------------------------------------------
     def forward(self) -> list[torch.Tensor]:
+        for stage in self.stages:
+            if stage.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(stage.device)
         for j, worker in enumerate(self.pipe.workers):
             for task in self.schedule.stage_order(j):
                 if task.kind == "F":
@@ -180,9 +186,11 @@ class _Step:
             inputs.append(x)
         recompute = self.training and checkpoints(self.checkpoint, i, self.chunks)
         keep_graph = self.training and not recompute
-        with self.clock(j, i, "forward"), self._task_context(j, i, grad=keep_graph):
+        with self.clock(j, i, "forward"), self._task_context(j, i, grad=keep_graph), SavedBytes(self.param_ids[j]) as saved:
             outputs = stage(*self._stage_args(j, inputs))
         self.saved[(j, i)] = (inputs, None if recompute else outputs)
+        if self.training:
+            self.memory.add_kept(j, tensor_bytes(inputs) if recompute else saved.total)
         any_grad = self.param_requires_grad[j] or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
         for name, out in zip(stage.output_names, outputs):
             if not isinstance(out, torch.Tensor):
@@ -226,6 +234,9 @@ class _Step:
                     if task.kind == "B":
                         self._run_inline(task)
         self._wait(list(self.backward_done.values()))
+        for j, stage in enumerate(self.stages):
+            if stage.device.type == "cuda":
+                self.memory.stages[j].cuda_peak = torch.cuda.max_memory_allocated(stage.device)
         input_grads = []
         for name in self.input_names:
             parts = [self.grads.pop((i, name), None) for i in range(self.chunks)]
@@ -265,8 +276,9 @@ class _Step:
         if outputs is None:  # re-materialise: same inputs, same random stream, running stats untouched
             if self.stages[j].training:
                 snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]]
-            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True):
+            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True), SavedBytes(self.param_ids[j]) as saved:
                 outputs = stage(*self._stage_args(j, inputs))
+            self.memory.add_recompute(j, saved.total)
         roots, root_grads = [], []
         for name, out in zip(stage.output_names, outputs):
             with self.grad_lock:
@@ -410,6 +422,7 @@ class Pipeline(torch.nn.Module):
         self._compiled: dict[Any, Compiled] = {}
         self._current: Compiled | None = None
         self.timeline = Timeline(len(devices), chunks)  # of the last step; printable
+        self.memory = MemoryReport([StageMemory() for _ in devices], checkpoint)  # of the last step
         cpu_workers = sum(1 for d in devices if d.type == "cpu")
         self.intra_op_threads = intra_op_threads or max(1, (os.cpu_count() or 1) // max(cpu_workers, 1))
         self.workers = [Worker(d, f"autopipe-stage{j}", self.intra_op_threads if d.type == "cpu" else None)
@@ -514,7 +527,7 @@ class Pipeline(torch.nn.Module):
         training = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.model.parameters()) or any(t.requires_grad for t in flat))
         step = _Step(self, compiled, flat, sizes, training)
-        self.timeline = step.timeline
+        self.timeline, self.memory = step.timeline, step.memory
         if training:
             anchor = torch.empty(0, requires_grad=True)
             needing = [t for t in flat if t.requires_grad]

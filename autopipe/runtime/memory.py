@@ -1,0 +1,86 @@
+"""Memory: what each stage keeps between forward and backward, and its peak.
+
+On CPU there is no allocator to ask, so the bytes autograd saves for backward
+are counted with torch.autograd.graph.saved_tensors_hooks (thread-local, so
+each worker counts only its own stage); parameters are not counted, they are
+resident anyway. With re-materialisation a stage keeps only its boundary
+inputs; during the recompute of one micro-batch it briefly holds that
+micro-batch's activations too (GPipe, sec. 2.3). On CUDA the peak is
+torch.cuda.max_memory_allocated of the stage's device.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from tabulate import tabulate
+
+
+@dataclass
+class StageMemory:
+    kept: int = 0            # bytes held from the end of forward to backward, all micro-batches
+    recompute_peak: int = 0  # largest activations of one re-materialised micro-batch
+    cuda_peak: int | None = None
+
+    @property
+    def peak(self) -> int:
+        return self.kept + self.recompute_peak
+
+
+@dataclass
+class MemoryReport:
+    stages: list[StageMemory]
+    checkpoint: str
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_kept(self, stage: int, nbytes: int) -> None:
+        with self._lock:
+            self.stages[stage].kept += nbytes
+
+    def add_recompute(self, stage: int, nbytes: int) -> None:
+        with self._lock:
+            self.stages[stage].recompute_peak = max(self.stages[stage].recompute_peak, nbytes)
+
+    def __str__(self) -> str:
+        rows = [[j, _mib(s.kept), _mib(s.recompute_peak), _mib(s.peak), "-" if s.cuda_peak is None else _mib(s.cuda_peak)]
+                for j, s in enumerate(self.stages)]
+        return (f"Memory of the last step (checkpoint={self.checkpoint!r}; saved activations, parameters excluded):\n"
+                + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"],
+                           tablefmt="simple"))
+
+    __repr__ = __str__
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class SavedBytes:
+    """Counts the distinct storages autograd saves inside the ``with`` block."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self.exclude and t.device.type != "meta":
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
