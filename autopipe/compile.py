@@ -71,6 +71,13 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 
 def _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route):
+    # Tracing runs the model's Python (fake tensors, export): it must not move the user's RNG.
+    cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        return _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route)
+
+
+def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route):
     traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
     measure = None
     if balance == "time":
@@ -127,12 +134,15 @@ def compile(
     tolerance: float = 0.03,
     memory_cap: float | None = None,
     intra_op_threads: int | None = None,
+    deferred_batch_norm: bool = False,
     route: str = "auto",
 ) -> Pipeline:
     """Compile ``model`` into a GPipe pipeline over ``devices`` with ``chunks`` micro-batches.
 
     Without example inputs the pipeline compiles on its first call, from that call's inputs.
     The model is not copied: stages hold its own parameters, and gradients land on them.
+    ``deferred_batch_norm=True`` tracks BatchNorm running statistics over the whole mini-batch
+    (torchgpipe's DeferredBatchNorm), so they equal the plain model's.
     """
     _check_options(chunks, checkpoint, balance)
     device_list = resolve_devices(devices)
@@ -148,7 +158,8 @@ def compile(
         example = traced.flat_inputs(args, kwargs)
         return Compiled(traced=traced, plan=result, stages=stages, example_dtypes=[t.dtype for t in example])
 
-    pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads)
+    pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
+                    deferred_batch_norm=deferred_batch_norm)
     if example_inputs is not None or example_kwargs:
         pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
     return pipe

@@ -65,19 +65,23 @@ def partition(
     """Cut the traced graph into ``n_stages`` contiguous stages (see module docstring)."""
     gm = costed.traced.graph_module
     graph = gm.graph
-    order = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    every = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if n_stages < 1:
         raise ValueError(f"devices must name at least one device (got {n_stages} stages)")
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    output_args = [a for a in output_node.args[0] if isinstance(a, _fx.Node)]
+    every_weight = _weights(costed, every, balance)
+    replicable = _replicable(costed, every, set(output_args), every_weight, n_stages)
+    free = {n for n, r in zip(every, replicable) if r}
+    # Replicated nodes belong to no stage (each consumer recomputes them): the solver sees the rest.
+    order = [n for n in every if n not in free]
+    weights = [w for n, w in zip(every, every_weight) if n not in free]
     if n_stages > len(order):
         raise ValueError(
             f"{n_stages} stages asked for, but the traced graph has only {len(order)} operations to spread over them; "
-            f"use at most {len(order)} devices"
+            f"use at most {max(len(order), 1)} devices"
         )
     index = {n: i for i, n in enumerate(order)}
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    output_args = list(output_node.args[0])
-    weights = _weights(costed, order, balance)
-    replicable = _replicable(costed, order, set(output_args), weights, n_stages)
     end = len(order)
     consumers: list[list[int]] = []
     for n in order:
@@ -108,7 +112,6 @@ def partition(
             n_stages=n_stages,
             tolerance=tolerance,
             comm_cost_per_byte=comm_cost_per_byte,
-            replicable=replicable,
             shared_memory=shared_memory,
             activation_multiplier=float(chunks) if memory_cap is not None else 0.0,
             memory_cap=memory_cap,
@@ -120,11 +123,12 @@ def partition(
         starts = _split_by_shares(weights, list(balance), n_stages)
         optimum = float("nan")
 
-    stage_of_index = []
+    stage_of: dict[_fx.Node, int] = {}
     for s in range(n_stages):
         stop = starts[s + 1] if s + 1 < n_stages else end
-        stage_of_index.extend([s] * (stop - starts[s]))
-    return _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, devices, chunks,
+        for n in order[starts[s]:stop]:
+            stage_of[n] = s
+    return _build_plan(costed, order, stage_of, free, dict(zip(every, every_weight)), n_stages, devices, chunks,
                        balance, tolerance, optimum, output_args)
 
 
@@ -222,17 +226,16 @@ def _is_inplace(n: _fx.Node) -> bool:
         isinstance(n.target, _torch._ops.OpOverload) and n.target._schema.is_mutable)
 
 
-def _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, devices, chunks,
+def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks,
                 balance, tolerance, optimum, output_args) -> Plan:
     gm = costed.traced.graph_module
-    stage_of = {n: stage_of_index[i] for i, n in enumerate(order)}
-    free = {n for n, r in zip(order, replicable) if r}
+    every = [n for n in gm.graph.nodes if n in stage_of or n in free]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     devices = list(devices) if devices is not None else [_torch.device("cpu")] * n_stages
 
     # Which stages need each value: a replicated node is needed wherever its users are.
     needed_in: dict[_fx.Node, set[int]] = {}
-    for n in reversed(order):
+    for n in reversed(every):
         if n in free:
             needed_in[n] = set()
             for u in n.users:
@@ -260,7 +263,7 @@ def _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, de
         tensors[p.name] = _info(p, -1, consumers, p in output_args)
         for s in consumers:
             stage_inputs[s].append(p.name)
-    for n in order:
+    for n in every:
         if n in free:
             for s in sorted(needed_in[n]):
                 replicated[s].append(n.name)
@@ -276,7 +279,7 @@ def _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, de
                 stage_inputs[c].append(n.name)
 
     param_stages: dict[str, set[int]] = {}
-    for n in order:
+    for n in every:
         stages = needed_in[n] if n in free else {stage_of[n]}
         for p in costed.costs[n.name].params:
             param_stages.setdefault(p, set()).update(stages)
@@ -294,8 +297,9 @@ def _build_plan(costed, order, stage_of_index, replicable, weights, n_stages, de
             params=tuple(params),
             param_bytes=sum(costed.tensor_bytes[p] for p in params),
             flops=sum(costed.costs[n.name].flops for n in own),
-            cost=sum(weights[i] for i, n in enumerate(order) if stage_of[n] == s),
+            cost=sum(weight_of[n] for n in own),
         ))
+    weights = [weight_of[n] for n in order]
     total = sum(weights)
     lower_bound = max(total / n_stages, max(weights, default=0.0))
     shared = {p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .trace import TracedModel
+from .trace import TracedModel, scalar_buffers_kept
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,12 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
                     names.append(full)
             node_params[node.name] = tuple(dict.fromkeys(names))
 
-    flops = _count_flops(gm)
-    seconds = _measure(gm, measure_inputs, repeats) if measure_inputs is not None else {}
+    with scalar_buffers_kept(gm):
+        flops = _count_flops(gm)
+    seconds = {}
+    if measure_inputs is not None:
+        with scalar_buffers_kept(gm, every_buffer=True):  # timing runs the model: running stats must not move
+            seconds = _measure(gm, measure_inputs, repeats)
     costs = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):

@@ -254,6 +254,25 @@ def _trace_export(model, arguments, batch_size, input_names):
 
 # -- shapes -------------------------------------------------------------------
 
+class scalar_buffers_kept:
+    """FakeTensorMode runs ops on real 0-dim CPU tensors for real, so running a module on fake
+    inputs bumps its real BatchNorm ``num_batches_tracked``. Passes that run modules on fake
+    tensors restore those buffers, so tracing never changes the user's model."""
+
+    def __init__(self, module: torch.nn.Module, every_buffer: bool = False):
+        self.saved = [(b, b.clone()) for b in module.buffers()
+                      if (every_buffer or b.dim() == 0) and b.device.type != "meta"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+        return False
+
+
 def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor]) -> None:
     """node.meta["val"] for every node, computed on fake tensors: no memory, no compute."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -263,7 +282,8 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         if param_device is not None and param_device.type == "meta" and t.device.type != "meta":
             t = t.to("meta")
         fakes.append(mode.from_tensor(t))
-    FakeTensorProp(gm, mode).propagate(*fakes)
+    with scalar_buffers_kept(gm):
+        FakeTensorProp(gm, mode).propagate(*fakes)
 
 
 # -- naming and errors --------------------------------------------------------

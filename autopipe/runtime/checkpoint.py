@@ -13,6 +13,7 @@ seeded run is reproducible whatever the thread timing.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -71,6 +72,26 @@ def _aten_native_dropout(g, input, p, train):
     return input * keep * (1.0 / (1 - p) if p < 1 else 0.0), keep
 
 
+def _attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention with attention dropout drawn from the task's generator;
+    the math reference of torch.nn.functional.scaled_dot_product_attention's documentation."""
+    length, source = query.size(-2), key.size(-2)
+    scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    scores = query @ key.transpose(-2, -1) * scale
+    if is_causal:
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = _dropout(g, torch.softmax(scores, dim=-1), dropout_p, True)
+    return weights @ value
+
+
+_ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+
 _REPLACED: dict[Any, Callable] = {
     F.dropout: _dropout,
     F.dropout1d: _feature_dropout(1),
@@ -99,6 +120,9 @@ class TaskRandomness(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ATTENTION:
+            dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            return _attention(self.generator, *args, **kwargs) if dropout_p > 0 else func(*args, **kwargs)
         replacement = _REPLACED.get(func)
         if replacement is not None:
             return replacement(self.generator, *args, **kwargs)

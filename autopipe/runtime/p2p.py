@@ -300,8 +300,10 @@ class P2PGPipe:
         self._gbufs: dict[tuple[str, int], list[torch.Tensor]] | None = None
         self._zeros: dict[tuple[str, int], torch.Tensor] = {}
 
-        self._check_spec()
+        # Clear a stale wake-up before the spec check, which no rank leaves
+        # before every rank has entered it: no failure report can be lost.
         self._store.delete_key(f"wake/{r}")
+        self._check_spec()
         self._poisoned = False
         self._poison_lock = threading.Lock()
         self._wd: threading.Thread | None = None

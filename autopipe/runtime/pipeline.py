@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import microbatch
+from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
 from .schedule import Schedule
@@ -139,7 +140,9 @@ class _Step:
         self.backward_done: dict[tuple[int, int], Future] = {}
         self.abort = threading.Event()
         self.failure: BaseException | None = None
-        self.step_seed = int(torch.randint(0, 2**62, ()).item()) if training and any(compiled.uses_rng) else 0
+        # Random ops follow the model's train mode, not autograd: dropout is on under no_grad too.
+        self.routes_rng = pipe.model.training and any(compiled.uses_rng)
+        self.step_seed = int(torch.randint(0, 2**62, ()).item()) if self.routes_rng else 0
         self.autocast = {dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")}
         self.input_names = self.plan.graph_inputs
         for i, row in enumerate(microbatch.split(inputs, self.input_names, sizes)):
@@ -151,6 +154,7 @@ class _Step:
         self.timeline = Timeline(len(self.stages), self.chunks)
         self.clock = Clock(self.timeline)
         self.memory = MemoryReport([StageMemory() for _ in self.stages], self.checkpoint)
+        self.deferred = DeferredStatistics(pipe.model) if training and pipe.deferred_batch_norm else None
         self.param_ids = [{id(p) for p in s.parameters()} for s in self.stages]
 
     # -- forward -------------------------------------------------------------
@@ -163,6 +167,8 @@ class _Step:
                 if task.kind == "F":
                     self.forward_done[(j, task.micro_batch)] = self._submit(worker, task, self._forward_task)
         self._wait(list(self.forward_done.values()))
+        if self.deferred is not None:
+            self.deferred.commit()
         return self._merge_outputs()
 
     def _forward_task(self, j: int, i: int):
@@ -220,7 +226,8 @@ class _Step:
                 if g is not None:
                     self._add_grad(i, name, g)
         inline = any(s.device.type == "cuda" for s in self.stages)
-        for j, worker in enumerate(self.pipe.workers):
+        # Last stage first: a backward task waits on later stages' futures, which must exist by then.
+        for j, worker in reversed(list(enumerate(self.pipe.workers))):
             for task in self.schedule.stage_order(j):
                 if task.kind == "B":
                     if inline:  # see Pipeline docstring: CUDA backward runs on the engine's device threads
@@ -276,7 +283,7 @@ class _Step:
         if outputs is None:  # re-materialise: same inputs, same random stream, running stats untouched
             if self.stages[j].training:
                 snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]]
-            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True), SavedBytes(self.param_ids[j]) as saved:
+            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True, recompute=True), SavedBytes(self.param_ids[j]) as saved:
                 outputs = stage(*self._stage_args(j, inputs))
             self.memory.add_recompute(j, saved.total)
         roots, root_grads = [], []
@@ -350,7 +357,7 @@ class _Step:
             raise failure if failure is not None else StageFailure("pipeline step aborted")
 
     @contextlib.contextmanager
-    def _task_context(self, j: int, i: int, grad: bool):
+    def _task_context(self, j: int, i: int, grad: bool, recompute: bool = False):
         stage = self.stages[j]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(grad))
@@ -358,10 +365,12 @@ class _Step:
             enabled, dtype = self.autocast.get(stage.device.type, (False, None))
             if enabled:
                 stack.enter_context(torch.autocast(stage.device.type, dtype=dtype))
-            if self.training and self.compiled.uses_rng[j]:
+            if self.routes_rng and self.compiled.uses_rng[j]:
                 generator = self._generator(j)
                 generator.manual_seed(task_seed(self.step_seed, j, i))
                 stack.enter_context(TaskRandomness(generator))
+            if self.deferred is not None and self.compiled.running_buffers[j]:
+                stack.enter_context(DeferredBatchNorm(self.deferred, accumulate=not recompute))
             yield
 
     def _generator(self, j: int) -> torch.Generator:
@@ -412,12 +421,14 @@ class Pipeline(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, devices: list[torch.device], chunks: int, checkpoint: str,
-                 build: Callable[[Sequence[Any], dict[str, Any]], Compiled], intra_op_threads: int | None = None):
+                 build: Callable[[Sequence[Any], dict[str, Any]], Compiled], intra_op_threads: int | None = None,
+                 deferred_batch_norm: bool = False):
         super().__init__()
         object.__setattr__(self, "model", model)
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
         self._build = build
         self._compiled: dict[Any, Compiled] = {}
         self._current: Compiled | None = None
