@@ -8,7 +8,7 @@ import torch
 
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
-from autopipe.passes._partition_graph import partition
+from autopipe.passes.partition import partition
 from autopipe.passes.trace import trace
 from autopipe.plan import Plan
 from autopipe.runtime.checkpoint import CHECKPOINT_MODES

@@ -226,7 +226,8 @@ def test_save_code_writes_one_file_per_stage(tmp_path):
     paths = pipe.save_code(tmp_path / "stages")
     assert [p.rsplit("/", 1)[1] for p in paths] == ["stage_0.py", "stage_1.py", "stage_2.py"]
     for p in paths:
-        compile(open(p).read(), p, "exec")
+        with open(p) as f:
+            compile(f.read(), p, "exec")
 
 
 def test_plan_a_48_block_gpt_on_meta_without_allocating():

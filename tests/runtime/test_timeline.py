@@ -20,6 +20,7 @@ def test_timeline_records_every_task_and_prints(tmp_path):
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     text = str(tl)
     assert text.count("stage ") == 3 and "measured" in text and "0.333" in text
-    trace = json.load(open(tl.save_chrome_trace(tmp_path / "trace.json")))
+    with open(tl.save_chrome_trace(tmp_path / "trace.json")) as f:
+        trace = json.load(f)
     assert sum(1 for e in trace["traceEvents"] if e["ph"] == "X") == len(tl.events)
     assert 0.0 <= tl.measured_bubble < 1.0
