@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry as _REGISTRY
 
 from .trace import TracedModel, scalar_buffers_kept
 
@@ -100,13 +100,103 @@ def _canonical_names(gm: fx.GraphModule) -> dict[str, str]:
 
 
 def _count_flops(gm: fx.GraphModule) -> dict[str, int]:
+    """FLOPs of each node: from its shapes where the op is known (no dispatch at all), else by
+    running it once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
+    counts: dict[str, int] = {}
+    unknown = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        flops = _formula_flops(gm, node)
+        if flops is None:
+            unknown.append(node)
+        else:
+            counts[node.name] = flops or _numel(node.meta.get("val"))
+    if unknown:
+        counts.update(_measured_flops(gm, set(unknown)))
+    return counts
+
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.bmm, torch.Tensor.mm, torch.Tensor.bmm,
+            __import__("operator").matmul, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.matmul.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default,
+            torch.addmm, torch.baddbmm, torch.einsum}
+_LINEARS = {F.linear, torch.ops.aten.linear.default}
+_CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default,
+          torch.ops.aten.conv3d.default, torch.ops.aten.convolution.default}
+_CONV_TRANSPOSES = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+                    torch.ops.aten.conv_transpose1d.default, torch.ops.aten.conv_transpose2d.input,
+                    torch.ops.aten.conv_transpose3d.input}
+# Modules whose work is elementwise or a gather: one FLOP per output element is the estimate.
+_CHEAP_MODULES = (torch.nn.modules.activation.__dict__.get("ReLU"), torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh,
+                  torch.nn.Sigmoid, torch.nn.Dropout, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.Embedding,
+                  torch.nn.modules.batchnorm._BatchNorm, torch.nn.Identity, torch.nn.Softmax, torch.nn.Flatten,
+                  torch.nn.modules.pooling._MaxPoolNd, torch.nn.modules.pooling._AvgPoolNd,
+                  torch.nn.modules.pooling._AdaptiveAvgPoolNd, torch.nn.LeakyReLU, torch.nn.Hardswish,
+                  torch.nn.Mish, torch.nn.modules.dropout._DropoutNd, torch.nn.RMSNorm, torch.nn.Softplus,
+                  torch.nn.ELU, torch.nn.Upsample, torch.nn.PixelShuffle, torch.nn.ReLU6, torch.nn.Hardtanh)
+
+
+def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
+    """Forward FLOPs from shapes (the formulas of torch.utils.flop_counter); None when unknown."""
+    out = node.meta.get("val")
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, torch.nn.Linear):
+            return 2 * _numel(out) * module.in_features
+        if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            return 2 * _numel(vals[0]) * module.weight.shape[1] * _prod(module.weight.shape[2:])
+        if isinstance(module, torch.nn.modules.conv._ConvNd):
+            return 2 * _numel(out) * module.weight.shape[1] * _prod(module.weight.shape[2:])
+        if isinstance(module, _CHEAP_MODULES):
+            return 0
+        return None
+    target = node.target
+    if target in _ATTENTION:
+        kwargs = {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
+        return _attention_flops(vals, kwargs)
+    if target in _LINEARS:
+        weight = vals[1] if len(vals) > 1 else node.kwargs["weight"].meta["val"]
+        return 2 * _numel(out) * weight.shape[-1]
+    if target in _MATMULS and target is not torch.einsum:
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if len(tensors) >= 2 and tensors[-2].dim() >= 1:
+            return 2 * _numel(out) * tensors[-2].shape[-1]
+        return None
+    if target in _CONVS:
+        weight = vals[1]
+        return 2 * _numel(out) * weight.shape[1] * _prod(weight.shape[2:])
+    if target in _CONV_TRANSPOSES:
+        weight = vals[1]
+        return 2 * _numel(vals[0]) * weight.shape[1] * _prod(weight.shape[2:])
+    if node.op == "call_method" and target in ("matmul", "mm", "bmm", "__matmul__"):
+        return 2 * _numel(out) * vals[0].shape[-1] if isinstance(vals[0], torch.Tensor) else None
+    if target is torch.einsum or (node.op == "call_function" and not isinstance(target, torch._ops.OpOverload)
+                                  and getattr(target, "__module__", "") not in ("torch", "_operator", "torch._C._nn",
+                                                                                "torch.nn.functional", "builtins",
+                                                                                "torch._C._VariableFunctions")):
+        return None  # a user function or einsum: count it by running it
+    if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _REGISTRY:
+        return None
+    return 0
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _measured_flops(gm: fx.GraphModule, nodes: set) -> dict[str, int]:
     """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     counts: dict[str, int] = {}
     env: dict[fx.Node, Any] = {}
     with mode:
         for node in gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr", "output"):
+            if node not in nodes:
                 continue
             args = fx.node.map_arg(node.args, lambda n: _fake_of(n, mode, env))
             kwargs = fx.node.map_arg(node.kwargs, lambda n: _fake_of(n, mode, env))

@@ -47,6 +47,8 @@ Failures (measured on gloo, torch 2.13; see notes/distributed.md):
 * A rank that hangs (deadlock, endless loop) without dying is caught only by
   ``timeout``: every wait is bounded by it, and gloo's own timeout handling
   poisons the context when it fires, so the hang turns into errors everywhere.
+* Each step ends with a barrier (``confirm=True``): a step returns on a rank
+  only if it completed on every rank.
 
 After a failure the process group is unusable (its pairs are closed): destroy
 it and start over, as torchrun's elastic restart does.
@@ -296,6 +298,7 @@ class P2PGPipe:
         self._is_last = r == world - 1
         self._finals = spec.finals() if self._is_last else ()
         self._eidx = {e.name: i for i, e in enumerate(spec.edges)}
+        self._edge = by
         self._bufs: dict[str, list[torch.Tensor]] | None = None
         self._gbufs: dict[tuple[str, int], list[torch.Tensor]] | None = None
         self._zeros: dict[tuple[str, int], torch.Tensor] = {}
@@ -501,33 +504,11 @@ class P2PGPipe:
         if self._remote is not None:
             self._failed = self._remote
             raise PipelineError(f"pipeline step failed: {self._remote}")
-        spec, M = self.spec, self.spec.chunks
-        if isinstance(inputs, torch.Tensor):
-            if len(self._locals) != 1:
-                raise ValueError(f"rank {self.rank} takes local inputs {self._locals}; pass a dict")
-            inputs = {self._locals[0]: inputs}
-        inputs = dict(inputs or {})
-        missing = set(self._locals) - set(inputs)
-        if missing:
-            raise ValueError(f"rank {self.rank}: step() needs local inputs {sorted(missing)}")
-        local_mbs = {}
-        for k in self._locals:
-            if inputs[k].shape[0] != spec.batch_size:
-                raise ValueError(
-                    f"rank {self.rank}: input {k!r} has batch {inputs[k].shape[0]}, spec says {spec.batch_size}"
-                )
-            local_mbs[k] = inputs[k].tensor_split(M)
-        loss_fn = loss_fn or self.loss_fn
-        if self._is_last:
-            if loss_fn is None or target is None:
-                raise ValueError("the last rank needs target= and loss_fn=")
-            tgt = (
-                list(zip(*[t.tensor_split(M) for t in target]))
-                if isinstance(target, (tuple, list))
-                else [(t,) for t in target.tensor_split(M)]
-            )
         try:
-            return self._step(local_mbs, tgt if self._is_last else None, loss_fn)
+            # Bad arguments are reported like any failure: the other ranks
+            # must not wait for this one until their timeout.
+            local_mbs, tgt, loss_fn = self._prepare(inputs, target, loss_fn)
+            return self._step(local_mbs, tgt, loss_fn)
         except PipelineError:
             raise
         except Exception as err:
@@ -535,6 +516,33 @@ class P2PGPipe:
         except BaseException as err:  # KeyboardInterrupt, SystemExit: still tell the others
             self._fail(err, getattr(err, "_autopipe_where", "the step"))
             raise
+
+    def _prepare(self, inputs, target, loss_fn):
+        spec, M = self.spec, self.spec.chunks
+        if isinstance(inputs, torch.Tensor):
+            if len(self._locals) != 1:
+                raise ValueError(f"step() got one tensor, but this stage takes local inputs {self._locals}")
+            inputs = {self._locals[0]: inputs}
+        inputs = dict(inputs or {})
+        missing = set(self._locals) - set(inputs)
+        if missing:
+            raise ValueError(f"step() lacks this stage's local inputs {sorted(missing)}")
+        local_mbs = {}
+        for k in self._locals:
+            if inputs[k].shape[0] != spec.batch_size:
+                raise ValueError(f"input {k!r} has batch {inputs[k].shape[0]}, spec says {spec.batch_size}")
+            local_mbs[k] = inputs[k].tensor_split(M)
+        loss_fn = loss_fn or self.loss_fn
+        tgt = None
+        if self._is_last:
+            if loss_fn is None or target is None:
+                raise ValueError("the last rank's step() needs target= and loss_fn=")
+            tgt = (
+                list(zip(*[t.tensor_split(M) for t in target]))
+                if isinstance(target, (tuple, list))
+                else [(t,) for t in target.tensor_split(M)]
+            )
+        return local_mbs, tgt, loss_fn
 
     def _step(self, local_mbs, tgt, loss_fn) -> torch.Tensor | None:
         spec, M, r = self.spec, self.spec.chunks, self.rank
@@ -564,7 +572,7 @@ class P2PGPipe:
         bwd_recv = [
             self._post(
                 [
-                    ("recv", gl[i], d, self._tag(spec.edge(name), i, True),
+                    ("recv", gl[i], d, self._tag(self._edge[name], i, True),
                      f"receive grad of {name!r} mb {i} from rank {d}")
                     for (name, d), gl in gbufs.items()
                 ]
@@ -588,7 +596,7 @@ class P2PGPipe:
                     args.append(local_mbs[x][i])
                 else:
                     b = bufs[x][i]
-                    if spec.edge(x).grad:
+                    if self._edge[x].grad:
                         b.requires_grad_(True)
                     args.append(b)
             try:
@@ -600,10 +608,12 @@ class P2PGPipe:
                 outs = (outs,)
             outs = tuple(outs)
             if len(outs) != len(spec.stage_outputs[r]):
-                raise ValueError(
+                err = ValueError(
                     f"stage returned {len(outs)} tensors, spec names {len(spec.stage_outputs[r])}: "
                     f"{spec.stage_outputs[r]}"
                 )
+                err._autopipe_where = f"forward of micro-batch {i}"  # type: ignore[attr-defined]
+                raise err
             ops = []
             edge_outs, edges = [], []
             finals = []
@@ -611,13 +621,12 @@ class P2PGPipe:
                 if y in self._finals:
                     finals.append(t)
                     continue
-                e = spec.edge(y)
+                e = self._edge[y]
                 want = e.mb_shape(spec.sizes[i])
                 if tuple(t.shape) != want or t.dtype != e.dtype:
-                    raise ValueError(
-                        f"forward of micro-batch {i}: output {y!r} is {tuple(t.shape)} {t.dtype}, "
-                        f"spec says {want} {e.dtype}"
-                    )
+                    err = ValueError(f"output {y!r} is {tuple(t.shape)} {t.dtype}, spec says {want} {e.dtype}")
+                    err._autopipe_where = f"forward of micro-batch {i}"  # type: ignore[attr-defined]
+                    raise err
                 payload = t.detach().contiguous()
                 for d in e.dsts:
                     ops.append(("send", payload, d, self._tag(e, i, False), f"send {y!r} mb {i} to rank {d}"))

@@ -1,0 +1,615 @@
+"""How well autopipe's partitioner balances pipeline stages, against the layer-granular splits
+other pipeline libraries use (issue 4).
+
+    python benchmarks/partition.py          # or: python -m benchmarks.partition; make bench
+
+Prints one table (also written to benchmarks/results/partition.txt, under a header naming
+the machine) and progress on stderr. Models, all built on the meta device (no memory, no
+compute; nothing here runs a model):
+
+- gpt-24: GPT-2-medium-like, 24 blocks, d=1024, 16 heads, vocab 50304, sequence 1024,
+  batch 8, token + position embedding, LM head tied to the token embedding; K = 2, 4, 8;
+- resnet-50: bottleneck ResNet-50 ([3, 4, 6, 3]), batch 32 at 224x224; K = 4, 8;
+- unet: 4-level U-Net (64..1024 channels) with its long skips, batch 8 at 256x256; K = 4, 8;
+- vit-b/16: 12 blocks, d=768, 12 heads, batch 32 at 224x224; K = 4, 8.
+
+Each model is traced and costed once (passes/trace.py, passes/cost.py: FLOPs per node). The
+layer-granular methods see the model as its top-level sequence of "layers": the graph's
+nodes grouped by the first module of their ``nn_module_stack`` below the root, looking
+through containers (nn.Sequential, nn.ModuleList: "blocks.3", "layer2.1"), a node outside
+any module joining the layer before it; a layer's weight is the sum of its nodes' costs.
+Methods (benchmarks/_baselines.py cites the sources):
+
+  layer counts   the same number of layers per stage (DeepSpeed/Megatron "uniform")
+  megatron       Megatron-LM's rule: the repeated blocks (the most common layer class) split
+                 evenly, embedding on the first stage, final norm and head on the last
+  torchgpipe     torchgpipe.balance's Bárány-Grinberg block partition on the layer costs
+  deepspeed      DeepSpeed partition_method="parameters": parameter counts balanced
+  layer DP       the least bottleneck over contiguous groups of layers (exact)
+  autopipe       autopipe.plan(model, example_inputs, devices=K, chunks=32): node granularity
+
+Every split is scored by the same node-level model, the one autopipe's Plan uses: each
+layer split is mapped back to the nodes (a layer's nodes go to its stage) and turned into a
+Plan by the partition pass's own plan builder, so stage costs, the lower bound and the
+tensors crossing every cut are counted alike for every method.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tabulate import tabulate
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import autopipe  # noqa: E402
+from autopipe.passes.cost import CostedGraph, cost  # noqa: E402
+from autopipe.passes.trace import trace  # noqa: E402
+from autopipe.plan import Plan, _human  # noqa: E402
+from benchmarks import _baselines  # noqa: E402
+
+try:  # the graph adapter; it moves into passes/partition.py
+    from autopipe.passes import _partition_graph as adapter  # noqa: E402
+except ImportError:  # pragma: no cover
+    from autopipe.passes import partition as adapter  # noqa: E402
+
+CHUNKS = 32
+RESULTS = Path(__file__).resolve().parent / "results" / "partition.txt"
+METHODS = ("layer counts", "megatron", "torchgpipe", "deepspeed", "layer DP", "autopipe")
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, d: int, heads: int, causal: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads, causal)
+        self.ln_2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder: token + position embedding, blocks, final norm, tied LM head."""
+
+    def __init__(self, n_blocks=24, d=1024, heads=16, vocab=50304, seq=1024):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, causal=True) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok_emb.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        out = planes * self.expansion
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != out:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return self.relu(y + identity)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet-50 layout (v1.5: stride on the 3x3 conv), written out here."""
+
+    def __init__(self, layers=(3, 4, 6, 3), num_classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        inplanes, stages = 64, []
+        for i, (planes, count) in enumerate(zip((64, 128, 256, 512), layers)):
+            blocks = []
+            for j in range(count):
+                blocks.append(Bottleneck(inplanes, planes, stride=2 if (i > 0 and j == 0) else 1))
+                inplanes = planes * Bottleneck.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class DoubleConv(nn.Module):
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(x)))
+
+
+class UNet(nn.Module):
+    """Ronneberger et al.'s U-Net (padded convs): each encoder level's output skips to the
+    decoder level of the same resolution."""
+
+    def __init__(self, in_channels=3, classes=2, base=64, levels=4):
+        super().__init__()
+        widths = [base * 2**i for i in range(levels + 1)]
+        self.downs = nn.ModuleList(DoubleConv(c_in, c_out) for c_in, c_out in zip([in_channels] + widths[:-2], widths[:-1]))
+        self.mid = DoubleConv(widths[-2], widths[-1])
+        self.ups = nn.ModuleList(nn.ConvTranspose2d(w, w // 2, 2, stride=2) for w in reversed(widths[1:]))
+        self.decs = nn.ModuleList(DoubleConv(w, w // 2) for w in reversed(widths[1:]))
+        self.out = nn.Conv2d(base, classes, 1)
+
+    def forward(self, x):
+        skips = []
+        for down in self.downs:
+            x = down(x)
+            skips.append(x)
+            x = F.max_pool2d(x, 2)
+        x = self.mid(x)
+        for up, dec, skip in zip(self.ups, self.decs, reversed(skips)):
+            x = dec(torch.cat([skip, up(x)], dim=1))
+        return self.out(x)
+
+
+class ViT(nn.Module):
+    """ViT-B/16: patch embedding, class token, learned positions, pre-norm blocks, head."""
+
+    def __init__(self, image=224, patch=16, d=768, n_blocks=12, heads=12, classes=1000):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, d, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, d))
+        self.blocks = nn.ModuleList(Block(d, heads, causal=False) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], tuple[nn.Module, tuple]]  # -> (model on meta, example inputs on meta)
+    ks: tuple[int, ...]
+
+
+def _on_meta(make_model: Callable[[], nn.Module], *inputs: Callable[[], torch.Tensor]):
+    def build():
+        with torch.device("meta"):
+            return make_model(), tuple(make() for make in inputs)
+    return build
+
+
+def gpt_case(n_blocks=24, ks=(2, 4, 8), d=1024, heads=16, vocab=50304, seq=1024, batch=8) -> Case:
+    return Case(f"gpt-{n_blocks}", _on_meta(lambda: GPT(n_blocks, d, heads, vocab, seq),
+                                           lambda: torch.zeros(batch, seq, dtype=torch.long)), ks)
+
+
+CASES = [
+    gpt_case(),
+    Case("resnet-50", _on_meta(ResNet, lambda: torch.zeros(32, 3, 224, 224)), (4, 8)),
+    Case("unet", _on_meta(UNet, lambda: torch.zeros(8, 3, 256, 256)), (4, 8)),
+    Case("vit-b/16", _on_meta(ViT, lambda: torch.zeros(32, 3, 224, 224)), (4, 8)),
+]
+
+
+# ---- the node view every method is scored on --------------------------------------------------
+
+
+@dataclass
+class NodeView:
+    """What the partition pass sees for K stages: the nodes it orders (``order``), the cheap
+    input-only nodes every stage recomputes (``free``), and each node's weight."""
+
+    costed: CostedGraph
+    n_stages: int
+    order: list
+    free: set
+    weight_of: dict
+    output_args: list
+
+
+def node_view(costed: CostedGraph, n_stages: int) -> NodeView:
+    """The first half of the partition pass (passes/_partition_graph.py ``partition``), kept in
+    step with it: the same node set, weights and replicated nodes."""
+    graph = costed.traced.graph_module.graph
+    every = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    output_args = [a for a in output_node.args[0] if isinstance(a, torch.fx.Node)]
+    weights = adapter._weights(costed, every, "flops")
+    replicable = adapter._replicable(costed, every, set(output_args), weights, n_stages)
+    free = {n for n, r in zip(every, replicable) if r}
+    order = [n for n in every if n not in free]
+    return NodeView(costed, n_stages, order, free, dict(zip(every, weights)), output_args)
+
+
+def score(view: NodeView, stage_of: dict, chunks: int = CHUNKS) -> Plan:
+    """The Plan the partition pass would build for this assignment of nodes to stages."""
+    return adapter._build_plan(view.costed, view.order, stage_of, view.free, view.weight_of, view.n_stages,
+                               None, chunks, "flops", 0.0, float("nan"), view.output_args)
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layers:
+    names: list[str]
+    kinds: list[str]              # class name of each layer's module ("" for none)
+    nodes: list[list]             # the ordered nodes of each layer
+    weights: list[float]          # summed node weights (FLOPs)
+    params: list[int]             # trainable parameters each layer's nodes read (DeepSpeed's count)
+
+    @property
+    def is_block(self) -> list[bool]:
+        """Megatron's transformer layers, generalised: layers of the most common module class."""
+        common = Counter(k for k in self.kinds if k).most_common(1)
+        return [bool(common) and k == common[0][0] for k in self.kinds]
+
+
+def _layer_key(node) -> tuple[str, str] | None:
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    for i, (path, kind) in enumerate(stack):
+        module_type = kind if isinstance(kind, type) else None
+        if module_type is not None and issubclass(module_type, _CONTAINERS) and i + 1 < len(stack):
+            continue
+        return str(path), getattr(module_type, "__name__", str(kind))
+    return None
+
+
+def layers_of(view: NodeView) -> Layers:
+    """Group the ordered nodes into top-level layers: maximal runs of nodes from the same
+    top-level module; a node from no module joins the layer before it (the first layer if
+    it comes first). A module called twice, apart, makes two layers."""
+    gm = view.costed.traced.graph_module
+    keys = [_layer_key(n) for n in view.order]
+    first = next((k for k in keys if k is not None), ("<root>", ""))
+    names, kinds, nodes, current = [], [], [], None
+    for node, key in zip(view.order, keys):
+        key = key or current or first
+        if key != current:
+            names.append(key[0])
+            kinds.append(key[1])
+            nodes.append([])
+            current = key
+        nodes[-1].append(node)
+    weights = [sum(view.weight_of[n] for n in group) for group in nodes]
+    params = []
+    for group in nodes:
+        names_read = dict.fromkeys(p for n in group for p in view.costed.costs[n.name].params)
+        count = 0
+        for p in names_read:
+            try:
+                parameter = gm.get_parameter(p)
+            except AttributeError:
+                continue  # a buffer
+            count += parameter.numel() if parameter.requires_grad else 0
+        params.append(count)
+    return Layers(names, kinds, nodes, weights, params)
+
+
+def stage_of_layers(layers: Layers, starts: Sequence[int]) -> dict:
+    stage_of, bounds = {}, list(starts) + [len(layers.nodes)]
+    for s in range(len(starts)):
+        for group in layers.nodes[bounds[s]:bounds[s + 1]]:
+            for n in group:
+                stage_of[n] = s
+    return stage_of
+
+
+LAYER_METHODS: dict[str, Callable[[Layers, int], list[int]]] = {
+    "layer counts": lambda layers, k: _baselines.uniform(layers.weights, k),
+    "megatron": lambda layers, k: _baselines.megatron(layers.is_block, k),
+    "torchgpipe": lambda layers, k: _baselines.block_partition(layers.weights, k),
+    "deepspeed": lambda layers, k: _baselines.parameters(layers.params, k),
+    "layer DP": lambda layers, k: _baselines.exact(layers.weights, k),
+}
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    model: str
+    k: int
+    method: str
+    plan: Plan | None = None
+    split_s: float = float("nan")         # the split method alone
+    plan_call_s: float | None = None       # the whole autopipe.plan call (ours only)
+    error: str | None = None
+    layers_per_stage: list[int] = field(default_factory=list)
+
+    @property
+    def imbalance(self) -> float:
+        return self.plan.imbalance if self.plan else float("nan")
+
+    @property
+    def over_bound(self) -> float:
+        return self.plan.bottleneck / self.plan.lower_bound if self.plan else float("nan")
+
+    @property
+    def cut_tensors(self) -> list[int]:
+        return [len(self.plan.cut_tensors(c)) for c in range(self.k - 1)] if self.plan else []
+
+    @property
+    def cut_bytes(self) -> int:
+        return sum(t.nbytes for c in range(self.k - 1) for t in self.plan.cut_tensors(c)) if self.plan else 0
+
+    @property
+    def step(self) -> float:
+        """GPipe step time over the single-device time: bottleneck * (M + K - 1) / M / total."""
+        if not self.plan:
+            return float("nan")
+        m = self.plan.chunks
+        return self.plan.bottleneck * (m + self.k - 1) / m / self.plan.total_cost
+
+
+def measure_model(name: str, model: nn.Module, inputs: tuple, ks: Sequence[int], chunks: int = CHUNKS,
+                  methods: Sequence[str] = METHODS) -> list[Row]:
+    """Every method at every K on one model (on any device; meta is enough)."""
+    log(f"[{name}] trace + cost")
+    start = time.perf_counter()
+    costed = cost(trace(model, inputs))
+    log(f"[{name}]   {len(costed.costs)} nodes, {costed.total_flops / 1e12:.2f} TFLOP forward, "
+        f"{time.perf_counter() - start:.1f} s")
+    rows = []
+    for k in ks:
+        view = node_view(costed, k)
+        layers = layers_of(view)
+        log(f"[{name} K={k}] {len(layers.names)} layers: {_layer_summary(layers)}")
+        for method in methods:
+            log(f"[{name} K={k}] {method}")
+            if method == "autopipe":
+                rows.append(_ours(name, model, inputs, k, chunks, costed))
+                continue
+            row = Row(name, k, method)
+            try:
+                start = time.perf_counter()
+                starts = LAYER_METHODS[method](layers, k)
+                row.split_s = time.perf_counter() - start
+                row.layers_per_stage = [b - a for a, b in zip(starts, list(starts[1:]) + [len(layers.names)])]
+                row.plan = score(view, stage_of_layers(layers, starts), chunks)
+            except Exception as e:  # a method that cannot split this model is a result too
+                row.error = f"{type(e).__name__}: {e}"
+                log(f"[{name} K={k}]   {method} failed: {row.error}")
+            rows.append(row)
+    return rows
+
+
+def _ours(name, model, inputs, k, chunks, costed) -> Row:
+    """autopipe.plan as a user calls it (timed whole), and the partition pass alone (timed on
+    the benchmark's costed graph; the same cut, checked)."""
+    start = time.perf_counter()
+    plan = autopipe.plan(model, inputs, devices=k, chunks=chunks)
+    whole = time.perf_counter() - start
+    start = time.perf_counter()
+    again = adapter.partition(costed, k, chunks=chunks)
+    pass_s = time.perf_counter() - start
+    if [s.nodes for s in again.stages] != [s.nodes for s in plan.stages]:
+        log(f"[{name} K={k}]   note: the partition pass on the benchmark's own trace cut differently "
+            f"from autopipe.plan; the table shows autopipe.plan's plan")
+    return Row(name, k, "autopipe", plan=plan, split_s=pass_s, plan_call_s=whole)
+
+
+def _layer_summary(layers: Layers) -> str:
+    names = layers.names
+    return ", ".join(names) if len(names) <= 8 else ", ".join(names[:4]) + ", ..., " + ", ".join(names[-3:])
+
+
+def synthetic(n: int = 100_000, k: int = 8, seed: int = 0, repeats: int = 3) -> dict[str, Any]:
+    """solve_cuts on a chain of n nodes with random skips: every node feeds the next, about one
+    in ten also a node up to 200 ahead; random weights and sizes. Median of ``repeats`` runs."""
+    import numpy as np
+
+    from autopipe.passes.partition import CutProblem, solve_cuts
+
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(0.5, 1.5, n)
+    out_bytes = rng.integers(1 << 10, 1 << 20, n)
+    skip = rng.random(n) < 0.1
+    reach = rng.integers(2, 201, n)
+    consumers = [[i + 1, i + int(reach[i])] if skip[i] and i + int(reach[i]) < n else [i + 1] if i + 1 < n else []
+                 for i in range(n)]
+    problem = CutProblem(weights=weights.tolist(), out_bytes=out_bytes.tolist(), consumers=consumers, n_stages=k)
+    times, solution = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        solution = solve_cuts(problem)
+        times.append(time.perf_counter() - start)
+    total = float(weights.sum())
+    bound = max(total / k, float(weights.max()))
+    return {"n": n, "edges": sum(map(len, consumers)), "k": k, "seconds": sorted(times)[len(times) // 2],
+            "over_bound": solution.bottleneck / bound, "optimum_over_bound": solution.optimum / bound,
+            "cut_tensors": sum(solution.cut_tensors)}
+
+
+def plan_timing(case: Case, k: int = 8, chunks: int = CHUNKS) -> dict[str, Any]:
+    """autopipe.plan's wall time on a model, and its passes' (trace, cost, partition) one by one."""
+    model, inputs = case.build()
+    start = time.perf_counter()
+    plan = autopipe.plan(model, inputs, devices=k, chunks=chunks)
+    whole = time.perf_counter() - start
+    start = time.perf_counter()
+    traced = trace(model, inputs)
+    trace_s = time.perf_counter() - start
+    costed = cost(traced)
+    cost_s = time.perf_counter() - start - trace_s
+    start = time.perf_counter()
+    adapter.partition(costed, k, chunks=chunks)
+    return {"nodes": len(costed.costs), "plan_s": whole, "trace_s": trace_s, "cost_s": cost_s,
+            "partition_s": time.perf_counter() - start, "imbalance": plan.imbalance}
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+HEADERS = ["model", "K", "method", "max/mean", "max/LB", "tensors", "bytes", "step/T1", "split s", "plan() s"]
+
+
+def table_rows(rows: Sequence[Row]) -> list[list]:
+    out = []
+    for r in rows:
+        if r.plan is None:
+            out.append([r.model, r.k, r.method, "-", "-", "-", "-", "-", "-", (r.error or "")[:60]])
+            continue
+        cuts = r.cut_tensors
+        out.append([
+            r.model, r.k, r.method, f"{r.imbalance:.3f}", f"{r.over_bound:.3f}",
+            f"{sum(cuts)} ({'/'.join(map(str, cuts))})" if len(cuts) <= 7 else str(sum(cuts)),
+            _human(r.cut_bytes, "B"), f"{r.step:.3f}", f"{r.split_s:.2g}",
+            "-" if r.plan_call_s is None else f"{r.plan_call_s:.2f}",
+        ])
+    return out
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    return tabulate(table_rows(rows), headers=HEADERS, tablefmt="simple", disable_numparse=True)
+
+
+def definitions(chunks: int = CHUNKS) -> str:
+    return "\n".join([
+        "max/mean  the slowest stage's cost over the mean stage cost (cost = forward FLOPs of the stage's",
+        "          nodes, the cost pass's model; 1.000 is perfect balance)",
+        "max/LB    the slowest stage over the lower bound max(total/K, largest single node): what no split",
+        "          of this graph can beat",
+        "tensors   tensors crossing cuts, summed over the K-1 cuts (a tensor counted once per cut it",
+        "          crosses; per cut in brackets); bytes: their size at the whole mini-batch",
+        f"step/T1   predicted GPipe step time at M={chunks} micro-batches over the time of one device",
+        f"          running everything: bottleneck * (M+K-1)/M / total (communication not counted);",
+        "          perfect balance gives (M+K-1)/(M*K): " + ", ".join(
+            f"K={k}: {(chunks + k - 1) / (chunks * k):.3f}" for k in (2, 4, 8)),
+        "split s   seconds of the split method itself (for layer methods: on the per-layer costs;",
+        "          for autopipe: the partition pass on the costed graph)",
+        "plan() s  autopipe only: the whole autopipe.plan call (trace + cost + partition) on the meta model",
+        "methods   layer counts = same number of top-level layers per stage; megatron = repeated blocks",
+        "          split evenly, embedding/stem on stage 0, head on the last; torchgpipe = Bárány-Grinberg",
+        "          block partition on layer costs; deepspeed = partition_method='parameters'; layer DP =",
+        "          exact least bottleneck over contiguous layers; autopipe = node granularity, exact least",
+        "          bottleneck then fewest crossing tensors within 3%",
+    ])
+
+
+def machine_header() -> str:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    u = platform.uname()
+    return (f"# benchmarks/partition.py  {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
+            f"# machine: {cpu or u.machine}; {u.system} {u.release} {u.machine}; {os.cpu_count()} CPUs\n"
+            f"# python {platform.python_version()}, torch {torch.__version__}")
+
+
+def main() -> int:
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for case in CASES:
+        model, inputs = case.build()
+        rows.extend(measure_model(case.name, model, inputs, case.ks))
+    log("[synthetic] solve_cuts on 10^5 nodes")
+    synth = synthetic()
+    log("[gpt-48] autopipe.plan, K=8")
+    big = plan_timing(gpt_case(48, ks=(8,)))
+    elapsed = time.perf_counter() - started
+    lines = [
+        machine_header(),
+        "",
+        format_table(rows),
+        "",
+        definitions(),
+        "",
+        f"synthetic chain, {synth['n']:,} nodes, {synth['edges']:,} edges (random skips), K={synth['k']}: "
+        f"solve_cuts {synth['seconds']:.3f} s (median of 3); max/LB {synth['over_bound']:.4f} (least bottleneck/LB "
+        f"{synth['optimum_over_bound']:.4f}; within 3% of it, the fewest crossings: {synth['cut_tensors']} tensors)",
+        f"gpt-48 (d=1024, seq 1024, batch 8, meta), K=8: autopipe.plan {big['plan_s']:.2f} s; run apart: trace "
+        f"{big['trace_s']:.2f} s, cost {big['cost_s']:.2f} s, partition pass {big['partition_s']:.3f} s "
+        f"({big['nodes']} nodes); max/mean {big['imbalance']:.3f}",
+        f"whole benchmark: {elapsed:.0f} s",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text + "\n")
+    log(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
