@@ -12,6 +12,7 @@ from autopipe.passes.partition import partition
 from autopipe.passes.trace import trace
 from autopipe.plan import Plan
 from autopipe.runtime.checkpoint import CHECKPOINT_MODES
+from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.pipeline import Compiled, Pipeline
 
 BALANCE_MODES = ("flops", "params", "time")
@@ -135,16 +136,33 @@ def compile(
     memory_cap: float | None = None,
     intra_op_threads: int | None = None,
     deferred_batch_norm: bool = False,
+    data_parallel: int = 1,
+    timeout: float = 300.0,
     route: str = "auto",
-) -> Pipeline:
+) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a GPipe pipeline over ``devices`` with ``chunks`` micro-batches.
 
     Without example inputs the pipeline compiles on its first call, from that call's inputs.
     The model is not copied: stages hold its own parameters, and gradients land on them.
     ``deferred_batch_norm=True`` tracks BatchNorm running statistics over the whole mini-batch
     (torchgpipe's DeferredBatchNorm), so they equal the plain model's.
+
+    Under torchrun with ``devices=None``: one stage per rank over torch.distributed
+    (``data_parallel`` replicas of the pipeline; ``timeout`` seconds bound any wait on a peer).
     """
     _check_options(chunks, checkpoint, balance)
+    if devices is None and running_under_torchrun():
+        pipe = DistributedPipeline(
+            model, chunks, checkpoint,
+            plan_fn=lambda args, kwargs, devs: _plan(model, args, kwargs, devs, chunks, balance, leaf_modules,
+                                                     tolerance, memory_cap, route),
+            codegen_fn=codegen, data_parallel=data_parallel, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm)
+        if example_inputs is not None or example_kwargs:
+            pipe.build(_as_tuple(example_inputs), example_kwargs or {})
+        return pipe
+    if data_parallel != 1:
+        raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
     device_list = resolve_devices(devices)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights "
