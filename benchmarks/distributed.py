@@ -19,7 +19,7 @@ no checkpointing, split at the middle block. Variants, interleaved step by step
 - p2p-batch:  the same with dist.batch_isend_irecv (P2POp lists)
 - pipelining: torch.distributed.pipelining ScheduleGPipe + PipelineStage, the
               split written by hand (shapes inferred at the warm-up step)
-- autopipe:   HOOK, see make_autopipe_step() below (row skipped until wired)
+- autopipe:   autopipe.compile(model, chunks=M) under the same process group: its own split
 
 Speedups are plain / variant; "ideal" is 2M/(M+1) (GPipe bubble, 2 stages).
 The machine is shared: compare rows of one run, never runs with each other.
@@ -176,7 +176,10 @@ def make_autopipe_step(model, x, y, chunks, rank, world):
     ``model`` that this rank owns must hold the same gradients as the plain
     model's (compared by name; parameters whose .grad is None are skipped).
     """
-    return None
+    import autopipe
+
+    pipe = autopipe.compile(model, chunks=chunks, checkpoint="never", example_inputs=(x,))
+    return lambda: pipe.step(x, target=y, loss_fn=F.mse_loss)
 
 
 # ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import warnings
 from datetime import timedelta
@@ -30,6 +31,9 @@ from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
 from .p2p import Edge, P2PGPipe, PipelineError, PipeSpec
 
 __all__ = ["DistributedPipeline", "PipelineError", "running_under_torchrun"]
+
+
+_PIPELINE_IDS = itertools.count()  # the same sequence on every rank: distinct store keys per pipeline
 
 
 def running_under_torchrun() -> bool:
@@ -212,7 +216,7 @@ class DistributedPipeline(torch.nn.Module):
         runner = _StageRunner(self, stage, spec.stage_inputs[self.stage_index],
                               spec.stage_outputs[self.stage_index], python_values)
         transport = P2PGPipe(runner, spec, group=self.pipeline_groups[self.replica], timeout=self.timeout,
-                             name=f"autopipe/{self.replica}")
+                             name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         shared_groups = self._shared_groups(plan)
         self.uses_rng = _stage_uses_rng(stage)
         self._built = {"traced": traced, "plan": plan, "stage": stage, "spec": spec, "runner": runner,
