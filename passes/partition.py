@@ -675,9 +675,22 @@ def partition(
     every_weight = _weights(costed, every, balance)
     replicable = _replicable(costed, every, set(output_args), every_weight, n_stages)
     free = {n for n, r in zip(every, replicable) if r}
+    # A getitem of a tuple-valued node (qkv.split(...)[0]) stays in its producer's stage, so only
+    # tensors cross cuts, never a tuple that still carries its producer's autograd graph.
+    attached: dict[fx.Node, fx.Node] = {}
+    for n in every:
+        source = n.args[0] if n.args else None
+        if (n not in free and n.op == "call_function" and n.target is operator.getitem
+                and isinstance(source, fx.Node) and source in set(every) - free
+                and not isinstance(source.meta.get("val"), torch.Tensor)):
+            attached[n] = attached.get(source, source)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for n, root in attached.items():
+        members.setdefault(root, []).append(n)
+    weight_by_node = dict(zip(every, every_weight))
     # Replicated nodes belong to no stage (each consumer recomputes them): the solver sees the rest.
-    order = [n for n in every if n not in free]
-    weights = [w for n, w in zip(every, every_weight) if n not in free]
+    order = [n for n in every if n not in free and n not in attached]
+    weights = [weight_by_node[n] + sum(weight_by_node[m] for m in members.get(n, ())) for n in order]
     if n_stages > len(order):
         raise ValueError(
             f"{n_stages} stages asked for, but the traced graph has only {len(order)} operations to spread over them; "
@@ -686,20 +699,24 @@ def partition(
     index = {n: i for i, n in enumerate(order)}
     end = len(order)
     consumers: list[list[int]] = []
+    group_of = {m: root for root, ms in members.items() for m in ms}
+    out_bytes = []
     for n in order:
-        if not _is_tensor_valued(n):  # sizes and other Python values travel for free in-process
-            consumers.append([])
-            continue
-        users = [index[u] for u in n.users if u in index]
-        if n in output_args:
-            users.append(end)  # model outputs travel to the end of the pipeline
-        consumers.append(sorted(set(users)))
-    out_bytes = [costed.costs[n.name].out_bytes for n in order]
+        group = [n] + members.get(n, [])
+        crossing = [m for m in group if _is_tensor_valued(m) and (m is not n or not members.get(n))]
+        users = set()
+        for m in crossing:  # sizes and other Python values travel for free in-process
+            users |= {index[group_of.get(u, u)] for u in m.users if group_of.get(u, u) in index} - {index[n]}
+            if m in output_args:
+                users.add(end)  # model outputs travel to the end of the pipeline
+        consumers.append(sorted(users))
+        out_bytes.append(sum(costed.costs[m.name].out_bytes for m in crossing))
 
     param_users: dict[str, set[int]] = {}
     for i, n in enumerate(order):
-        for p in costed.costs[n.name].params:
-            param_users.setdefault(p, set()).add(i)
+        for m in [n] + members.get(n, []):
+            for p in costed.costs[m.name].params:
+                param_users.setdefault(p, set()).add(i)
     multiple = 1.0
     if memory_cap is not None:
         multiple = 1.0 + 1.0 + optimizer_state_multiple  # weights + grads + optimizer state
@@ -730,6 +747,8 @@ def partition(
         stop = starts[s + 1] if s + 1 < n_stages else end
         for n in order[starts[s]:stop]:
             stage_of[n] = s
+            for m in members.get(n, []):
+                stage_of[m] = s
     return _build_plan(costed, order, stage_of, free, dict(zip(every, every_weight)), n_stages, devices, chunks,
                        balance, tolerance, optimum, output_args)
 
@@ -887,7 +906,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
             param_stages.setdefault(p, set()).update(stages)
     stages = []
     for s in range(n_stages):
-        own = [n for n in order if n not in free and stage_of[n] == s]
+        own = [n for n in every if n not in free and stage_of[n] == s]
         params = sorted(p for p, st in param_stages.items() if s in st)
         stages.append(StagePlan(
             index=s,

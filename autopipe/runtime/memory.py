@@ -60,14 +60,15 @@ class SavedBytes:
     """Counts the distinct storages autograd saves inside the ``with`` block."""
 
     def __init__(self, exclude: set[int]):
-        self.exclude = exclude
+        self.exclude = exclude  # storage pointers of the stage's parameters
         self.storages: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in self.exclude and t.device.type != "meta":
+        if t.device.type != "meta":
             storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in self.exclude:  # weights (and views of them, weight.t()) are resident anyway
+                self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     @property
@@ -83,4 +84,5 @@ class SavedBytes:
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes of the tensors themselves (a micro-batch is a view of the whole batch's storage)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

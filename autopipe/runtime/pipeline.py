@@ -155,7 +155,7 @@ class _Step:
         self.clock = Clock(self.timeline)
         self.memory = MemoryReport([StageMemory() for _ in self.stages], self.checkpoint)
         self.deferred = DeferredStatistics(pipe.model) if training and pipe.deferred_batch_norm else None
-        self.param_ids = [{id(p) for p in s.parameters()} for s in self.stages]
+        self.param_ids = [{p.untyped_storage().data_ptr() for p in s.parameters()} for s in self.stages]
 
     # -- forward -------------------------------------------------------------
     def forward(self) -> list[torch.Tensor]:

@@ -1,0 +1,259 @@
+"""Shared helpers for the benchmarks: interleaved timing, machine header, result tables.
+
+Every benchmark compares variants measured side by side in one run: the
+variants are interleaved (A B C, B C A, C A B, ...: the order rotates every
+round), the first rounds are warm-up, and the numbers reported are medians.
+Ratios are medians of the per-round ratios, so a slow spell of the machine
+that hits one round hits both sides of the ratio (DESIGN.md, pitfalls: the
+same work timed in two sequential blocks differed by up to 1.5x on a shared
+machine, in alternation by under 1.08x).
+
+Progress goes to stderr; the table (with a header naming the machine, torch,
+threads and date) goes to stdout and to ``benchmarks/results/<name>.txt``
+(``<name>-quick.txt`` with ``--quick``, so a smoke run never overwrites real
+numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ on the path, not the root
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+# -- command line -------------------------------------------------------------
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark takes; add its own before ``parse_args``."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+                                epilog=None, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 1-2 repeats: a smoke test, not a measurement")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds after warm-up (default: per benchmark)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds (default: 1)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timing per table: stop adding rounds past it once 3 are timed (default: per benchmark)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help=f"where to write <name>.txt (default {RESULTS})")
+    return p
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def progress(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# -- timing -------------------------------------------------------------------
+
+@dataclass
+class Timings:
+    """Seconds per call of each variant, one entry per timed round (all variants ran in every round)."""
+
+    seconds: dict[str, list[float]]
+    rounds: int
+    warmup: int
+    elapsed: float
+    stopped_by_budget: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+    def ratios(self, num: str, den: str) -> list[float]:
+        """Per-round ``num / den`` (seconds), e.g. ``ratios("pipe", "plain")`` is the slowdown."""
+        return [a / b for a, b in zip(self.seconds[num], self.seconds[den])]
+
+    def ratio(self, num: str, den: str) -> float:
+        """Median over rounds of seconds(num) / seconds(den): paired, so robust to slow spells."""
+        return statistics.median(self.ratios(num, den))
+
+    def spread(self, num: str, den: str) -> str:
+        """The quartiles of the per-round ratio, as 'lo-hi' (the noise to read the median against)."""
+        r = sorted(self.ratios(num, den))
+        if len(r) < 3:
+            return f"{r[0]:.2f}-{r[-1]:.2f}"
+        q = statistics.quantiles(r, n=4, method="inclusive")
+        return f"{q[0]:.2f}-{q[2]:.2f}"
+
+
+def interleaved(variants: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
+                budget: float | None = None, label: str = "") -> Timings:
+    """Time each callable once per round, rotating the order every round; ``warmup`` rounds are dropped.
+
+    With ``budget`` (seconds), rounds stop being added once the next one would end past the
+    budget and at least 3 (or ``repeats``, if fewer) rounds are timed."""
+    names = list(variants)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    t_start = time.perf_counter()
+    total = warmup + repeats
+    stopped = False
+    r = 0
+    while r < total:
+        order = names[r % len(names):] + names[: r % len(names)]
+        t_round = time.perf_counter()
+        times = {}
+        gc.collect()  # once a round (a full collection costs ~0.1 s with torch loaded), never inside a timing
+        gc.disable()
+        try:
+            for name in order:
+                t0 = time.perf_counter()
+                variants[name]()
+                times[name] = time.perf_counter() - t0
+        finally:
+            gc.enable()
+        round_s = time.perf_counter() - t_round
+        timed = r >= warmup
+        if timed:
+            for name in names:
+                seconds[name].append(times[name])
+        r += 1
+        elapsed = time.perf_counter() - t_start
+        done = r - warmup
+        progress(f"  {label}round {r}/{total} ({'timed' if timed else 'warm-up'}) {round_s:.1f} s: "
+                 + ", ".join(f"{n} {times[n]:.3f}" for n in names))
+        if budget is not None and done >= min(3, repeats) and r < total and elapsed + round_s > budget:
+            progress(f"  {label}stopping after {done} timed rounds: the {budget:.0f} s budget is spent")
+            stopped = True
+            break
+    return Timings(seconds, max(r - warmup, 0), warmup, time.perf_counter() - t_start, stopped)
+
+
+# -- header and tables -----------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return f"{head}{' + uncommitted changes' if dirty else ''}" if head else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def header(name: str, lines: Sequence[str] = (), *, quick: bool = False) -> str:
+    """The machine, torch, threads and date, then the benchmark's own lines; '# ' prefixed."""
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ}
+    rows = [
+        f"autopipe benchmark: {name}{'   (--quick: tiny sizes, a smoke test, NOT a measurement)' if quick else ''}",
+        f"date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M:%S %Z')}   host: {platform.node()}   git: {_git()}",
+        f"machine: {_cpu_model()}, {cores()} usable cores (os.cpu_count()={os.cpu_count()}), "
+        f"{platform.system()} {platform.release()}",
+        f"torch {torch.__version__} (CUDA {'available' if torch.cuda.is_available() else 'not used'}), "
+        f"python {platform.python_version()}, main-thread intra-op threads {torch.get_num_threads()}, "
+        f"inter-op {torch.get_num_interop_threads()}" + (f", env {env}" if env else ""),
+        f"load average at start (1/5/15 min): {load}",
+        *lines,
+    ]
+    return "\n".join(f"# {r}" if r else "#" for r in rows)
+
+
+def table(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def write(name: str, text: str, *, quick: bool, results_dir: Path = RESULTS) -> Path:
+    """Print ``text`` to stdout and write it to ``<results_dir>/<name>.txt`` (``-quick`` suffix with --quick)."""
+    print(text, flush=True)
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}{'-quick' if quick else ''}.txt"
+    path.write_text(text + "\n")
+    progress(f"wrote {path}")
+    return path
+
+
+def timing_line(t: Timings) -> str:
+    return (f"timing: variants interleaved in rotating order, {t.warmup} warm-up round(s) dropped, {t.rounds} timed "
+            f"round(s) ({t.elapsed:.0f} s{', stopped by the time budget' if t.stopped_by_budget else ''}); "
+            f"s/step = median; ratios = median of per-round ratios, [quartiles] beside them")
+
+
+def fmt_s(x: float) -> str:
+    return f"{x:.4f}" if x < 1 else f"{x:.3f}"
+
+
+def fmt_x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# -- a GPT-style model for memory.py and compile_time.py ---------------------------
+
+class GPTBlock(torch.nn.Module):
+    """Pre-norm GPT-2 block: causal self-attention (SDPA) and a 4x MLP, both residual."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.proj = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    """Token + position embeddings, ``layers`` blocks, final norm, untied LM head. Input: token ids (batch, seq)."""
+
+    def __init__(self, layers: int, d: int = 1024, heads: int = 16, seq: int = 1024, vocab: int = 32768):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))

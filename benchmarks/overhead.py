@@ -1,0 +1,126 @@
+"""Overhead of autopipe on ONE worker: a full training step of the pipeline vs the plain model.
+
+    python benchmarks/overhead.py            # real sizes (~2-3 min on 2 cores)
+    python benchmarks/overhead.py --quick    # tiny smoke test
+
+One worker (devices=["cpu"]) with as many intra-op threads as the plain run
+(all usable cores), so the only differences are autopipe's runtime and the
+micro-batching. Model: benchmarks/_models.transformer_like(512, 2048, 8)
+with batch 1024 x threads, where running M=8 micro-batches is nearly free on
+CPU (DESIGN.md, pitfalls: 1.00x at batch 1024 on one thread; measured here,
+2 threads: 1.18x at batch 1024, 1.03x at 2048). A step is zero_grad +
+forward + MSE loss + backward (no optimizer step: the same for every variant).
+
+Variants, interleaved round by round:
+  plain                 model(x) on the calling thread
+  hand loop xM          the plain model over M micro-batches with gradient accumulation
+                        (micro-batching cost alone, no autopipe)
+  chunks=1              autopipe, checkpoint never
+  chunks=M              autopipe, checkpoint never / except_last / always
+Targets: chunks=1 <= 1.03x; chunks=8 never <= 1.10x (torchgpipe 1.07x);
+except_last <= 1.30x and always <= 1.38x (torchgpipe's numbers).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import autopipe  # noqa: E402
+from benchmarks import _common as C  # noqa: E402
+from benchmarks._models import transformer_like  # noqa: E402
+
+TARGETS = {  # (variant key) -> (target, torchgpipe's measurement)
+    ("pipe", 1, "never"): ("<= 1.03x", "-"),
+    ("pipe", 8, "never"): ("<= 1.10x", "1.07x"),
+    ("pipe", 8, "except_last"): ("<= 1.30x", "1.30x"),
+    ("pipe", 8, "always"): ("<= 1.38x", "1.38x"),
+}
+
+
+def main(argv=None) -> int:
+    p = C.parser(__doc__)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads, plain and worker alike (default: all usable cores)")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--batch", type=int, default=None)
+    args = p.parse_args(argv)
+    quick = args.quick
+    threads = args.threads or C.cores()
+    torch.set_num_threads(threads)
+    # batch 1024 rows per thread: 8 micro-batches of 128 rows per thread run at full speed
+    # (2 threads: batch 1024 as 8 micro-batches costs 1.18x the whole batch, batch 2048 1.03x)
+    d, hidden, blocks, batch = (64, 256, 2, 64) if quick else (512, 2048, 8, 1024 * threads)
+    batch = args.batch or batch
+    M = args.chunks
+    repeats = args.repeats or (2 if quick else 10)
+    warmup = args.warmup if args.warmup is not None else 1
+    budget = args.budget or (30 if quick else 200)
+
+    torch.manual_seed(0)
+    model = transformer_like(d, hidden, blocks)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+    loss_fn = nn.MSELoss()
+
+    def step(fn):
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss_fn(fn(x), y).backward()
+        return run
+
+    def hand_loop():
+        model.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.tensor_split(M), y.tensor_split(M)):
+            (loss_fn(model(xs), ys) * (len(xs) / batch)).backward()
+
+    configs = [(1, "never"), (M, "never"), (M, "except_last"), (M, "always")]
+    pipes = {}
+    for chunks, ckpt in configs:
+        C.progress(f"compiling chunks={chunks} checkpoint={ckpt}")
+        pipes[(chunks, ckpt)] = autopipe.compile(model, devices=["cpu"], chunks=chunks, checkpoint=ckpt,
+                                                 intra_op_threads=threads, example_inputs=(x,))
+    variants = {"plain": step(model), f"hand x{M}": hand_loop}
+    names = {}
+    for (chunks, ckpt), pipe in pipes.items():
+        names[(chunks, ckpt)] = f"c{chunks} {ckpt}"
+        variants[names[(chunks, ckpt)]] = step(pipe)
+
+    C.progress(f"overhead: {len(variants)} variants, {warmup} warm-up + {repeats} rounds, budget {budget:.0f} s")
+    t = C.interleaved(variants, repeats=repeats, warmup=warmup, budget=budget)
+
+    def row(label, chunks, ckpt, name, key):
+        target, tg = TARGETS.get(key, ("-", "-"))
+        if chunks == M and M != 8 and key[0] == "pipe":
+            target, tg = "-", "-"  # the targets are stated for M=8
+        vs_hand = f"{t.ratio(name, f'hand x{M}'):.2f}x" if chunks == M and name != f"hand x{M}" else "-"
+        return [label, chunks, ckpt, C.fmt_s(t.median(name)), f"{t.ratio(name, 'plain'):.2f}x",
+                t.spread(name, "plain"), vs_hand, target, tg]
+
+    rows = [["plain model", "-", "-", C.fmt_s(t.median("plain")), "1.00x", "-", "-", "-", "-"],
+            row(f"hand-written loop", M, "-", f"hand x{M}", ("hand", M, "-"))]
+    for (chunks, ckpt), name in names.items():
+        rows.append(row("autopipe, 1 worker", chunks, ckpt, name, ("pipe", chunks, ckpt)))
+    n_params = sum(p.numel() for p in model.parameters())
+    head = C.header("overhead", [
+        f"model: transformer_like(d={d}, hidden={hidden}, blocks={blocks}) ({n_params / 1e6:.1f} M params), batch {batch}, "
+        f"MSE loss; step = zero_grad + forward + backward (no optimizer)",
+        f"threads: plain run {threads} intra-op threads on the calling thread; autopipe devices=['cpu'] (one worker) "
+        f"with intra_op_threads={threads}",
+        C.timing_line(t),
+        f"'vs plain' = seconds / plain's seconds (lower is better; torchgpipe = its published overhead);",
+        f"'vs hand loop' = seconds / the plain model run as {M} micro-batches by hand: autopipe's own overhead",
+    ], quick=quick)
+    text = head + "\n" + C.table(rows, ["variant", "chunks", "checkpoint", "s/step", "vs plain", "[quartiles]",
+                                        "vs hand loop", "target", "torchgpipe"])
+    C.write("overhead", text, quick=quick, results_dir=args.results_dir)
+    for pipe in pipes.values():
+        pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

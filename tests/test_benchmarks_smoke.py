@@ -1,0 +1,41 @@
+"""Each benchmark runs with --quick (tiny sizes) in a subprocess and prints its table under a machine header.
+
+The whole file takes well under a minute; the numbers are not looked at, only the shape of the output.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BENCHMARKS = {
+    # name: column headers its table must have
+    "overhead": ["variant", "chunks", "checkpoint", "s/step", "vs plain", "vs hand loop", "target", "torchgpipe"],
+    "speedup": ["model", "K", "M", "s/step", "vs K=1 same M", "vs plain", "1w xM / plain", "ideal"],
+    "memory": ["checkpoint", "kept fwd->bwd", "vs plain", "never: blocks / params", "always: blocks / params"],
+    "compile_time": ["blocks", "trace s", "cost s", "partition s", "codegen s", "total s"],
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_benchmark_quick_prints_its_table(name, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--results-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=50, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.startswith(f"# autopipe benchmark: {name}"), out[:300]
+    for field in ("date:", "machine:", "torch ", "threads"):
+        assert field in out.split("\n\n")[0], f"header lacks {field!r}"
+    assert re.search(r"^-+(  -+)+$", out, re.M), "no tabulate table in the output"
+    for header in BENCHMARKS[name]:
+        assert header in out, f"column {header!r} missing"
+    written = tmp_path / f"{name}-quick.txt"  # --quick never overwrites the real results
+    assert written.read_text().strip() == out.strip()
+    assert "wrote" in r.stderr  # progress goes to stderr, the table to stdout
