@@ -179,7 +179,11 @@ def make_autopipe_step(model, x, y, chunks, rank, world):
     import autopipe
 
     pipe = autopipe.compile(model, chunks=chunks, checkpoint="never", example_inputs=(x,))
-    return lambda: pipe.step(x, target=y, loss_fn=F.mse_loss)
+
+    def step():
+        pipe.zero_grad()  # as the other rows: each step's gradients alone
+        return pipe.step(x, target=y, loss_fn=F.mse_loss)
+    return step
 
 
 # ---------------------------------------------------------------------------
