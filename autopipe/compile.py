@@ -82,7 +82,6 @@ def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tol
     traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
     measure = None
     if balance == "time":
-        measure = [a for a in traced.graph_module.graph.nodes if a.op == "placeholder"]
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
