@@ -226,3 +226,10 @@ def test_garbage_collected_pipeline_stops_its_threads():
     for t in threads:
         t.join(5)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_memory_cap_no_plan_satisfies_names_the_stage_and_the_shortfall():
+    from autopipe.passes.partition import NoFeasiblePlan
+    model = MLP(hidden=256)
+    with pytest.raises(NoFeasiblePlan, match=r"stage \d+ .*needs .* but the cap is .*short"):
+        autopipe.compile(model, devices=2, memory_cap=100_000, example_inputs=(torch.randn(4, 8),))
