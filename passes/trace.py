@@ -63,8 +63,9 @@ class TracedModel:
 
     def flat_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         leaves = self.bind(args, kwargs)
+        tensor_positions = set(self.tensor_positions)
         for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
-            if i in self._tensor_position_set:
+            if i in tensor_positions:
                 if not isinstance(now, torch.Tensor):
                     raise InputMismatch(
                         f"argument {self.input_names[self.tensor_positions.index(i)]!r} was a tensor "
@@ -82,10 +83,6 @@ class TracedModel:
         for pos, value in zip(self.output_positions, flat):
             leaves[pos] = value
         return pytree.tree_unflatten(leaves, self.output_spec)
-
-    @property
-    def _tensor_position_set(self) -> set[int]:
-        return set(self.tensor_positions)
 
 
 class InputMismatch(ValueError):

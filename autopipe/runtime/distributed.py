@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
 from .p2p import Edge, P2PGPipe, PipelineError, PipeSpec
+from .pipeline import _running_buffers, _uses_rng
 
 __all__ = ["DistributedPipeline", "PipelineError", "running_under_torchrun"]
 
@@ -57,8 +58,7 @@ class _StageRunner:
         self.micro_batch = 0
         self.calls: dict[int, int] = {}
         self.generator = generator_for(stage.device)
-        self.running = [b for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                        and m.track_running_stats for b in m.buffers()]
+        self.running = _running_buffers(stage)
 
     def start_step(self) -> None:
         self.micro_batch = 0
@@ -218,7 +218,7 @@ class DistributedPipeline(torch.nn.Module):
         transport = P2PGPipe(runner, spec, group=self.pipeline_groups[self.replica], timeout=self.timeout,
                              name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         shared_groups = self._shared_groups(plan)
-        self.uses_rng = _stage_uses_rng(stage)
+        self.uses_rng = _uses_rng(stage)
         self._built = {"traced": traced, "plan": plan, "stage": stage, "spec": spec, "runner": runner,
                        "transport": transport, "shared": shared_groups}
 
@@ -395,8 +395,3 @@ class DistributedPipeline(torch.nn.Module):
 def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     owner_name, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(owner_name) if owner_name else module, attr)
-
-
-def _stage_uses_rng(stage) -> bool:
-    from .pipeline import _uses_rng
-    return _uses_rng(stage)

@@ -249,9 +249,8 @@ class _Step:
             parts = [self.grads.pop((i, name), None) for i in range(self.chunks)]
             if any(p is not None for p in parts) and self.requires_grad[(0, name)]:
                 parts = [p if p is not None else torch.zeros_like(self.values[(i, name)]) for i, p in enumerate(parts)]
-                like = self.values[(0, name)]
-                input_grads.append(parts[0] if like.dim() == 0 and len(parts) == 1 else
-                                   (sum(parts) if like.dim() == 0 else torch.cat(parts)))
+                broadcast = self.values[(0, name)].dim() == 0  # every micro-batch read the same scalar
+                input_grads.append(sum(parts) if broadcast else torch.cat(parts))
             else:
                 input_grads.append(None)
         self.saved.clear()
