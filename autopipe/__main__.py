@@ -222,35 +222,19 @@ def plan_devices(spec: str):
 
 def run_passes(model, args: tuple, kwargs: dict, devices, chunks: int, balance, leaf_modules, tolerance: float,
                memory_cap, route: str, out: str | None):
-    """trace -> cost -> partition (-> codegen with ``out``), as autopipe/compile.py chains them; each timed to stderr."""
-    import torch
-    from autopipe.passes.cost import cost
-    from autopipe.passes.partition import partition
-    from autopipe.passes.trace import trace
+    """trace -> cost -> partition (-> codegen with ``out``), exactly as autopipe.compile chains them,
+    each pass reported on stderr (autopipe/progress.py)."""
+    from autopipe.compile import _codegen, _plan
+    from autopipe.passes.codegen import save_code
+    from autopipe.progress import Progress
 
-    def done(name: str, t0: float, extra: str = "") -> None:
-        print(f"autopipe: {name:<9} {time.perf_counter() - t0:7.3f} s{extra}", file=sys.stderr, flush=True)
-
-    with torch.random.fork_rng(devices=[]):  # tracing runs the model's Python: leave the user's RNG alone
-        t0 = time.perf_counter()
-        traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
-        done("trace", t0, f"  ({traced.route}, {sum(1 for _ in traced.graph_module.graph.nodes)} graph nodes)")
-        t0 = time.perf_counter()
-        measure = traced.flat_inputs(args, kwargs) if balance == "time" else None
-        costed = cost(traced, measure_inputs=measure)
-        done("cost", t0)
-        t0 = time.perf_counter()
-        plan = partition(costed, len(devices), devices=devices, chunks=chunks, balance=balance,
-                         tolerance=tolerance, memory_cap=memory_cap)
-        plan.notes.extend(traced.notes)
-        done("partition", t0, f"  ({plan.n_stages} stages)")
-        paths = []
-        if out is not None:
-            from autopipe.passes.codegen import codegen, save_code
-            t0 = time.perf_counter()
-            stages = codegen(traced.graph_module, plan)
-            paths = save_code(stages, out)
-            done("codegen", t0, f"  (wrote {len(paths)} files to {out})")
+    progress = Progress(verbose=True)
+    traced, plan = _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
+                         progress)
+    paths = []
+    if out is not None:
+        stages = _codegen(traced.graph_module, plan, progress)
+        paths = save_code(stages, out)
     return plan, paths
 
 

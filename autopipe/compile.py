@@ -11,6 +11,7 @@ from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import trace
 from autopipe.plan import Plan
+from autopipe.progress import Progress
 from autopipe.runtime.checkpoint import CHECKPOINT_MODES
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.pipeline import Compiled, Pipeline
@@ -71,25 +72,45 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
-def _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route):
+def _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
+          progress: Progress | None = None):
     # Tracing runs the model's Python (fake tensors, export): it must not move the user's RNG.
     cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda_devices):
-        return _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route)
+        return _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
+                           progress or Progress())
 
 
-def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route):
-    traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
+def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
+                progress: Progress):
+    n_params = sum(p.numel() for p in model.parameters())
+    progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(devices)} stages "
+                 f"x {chunks} micro-batches")
+    with progress.run("trace") as report:
+        traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
+        report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
     if balance == "time":
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
-    costed = cost(traced, measure_inputs=measure)
-    plan = partition(costed, len(devices), devices=devices, chunks=chunks, balance=balance,
-                     tolerance=tolerance, memory_cap=memory_cap)
+    with progress.run("cost") as report:
+        costed = cost(traced, measure_inputs=measure)
+        report["detail"] = f"balance={balance!r}" if isinstance(balance, str) else "balance=given weights"
+    with progress.run("partition") as report:
+        plan = partition(costed, len(devices), devices=devices, chunks=chunks, balance=balance,
+                         tolerance=tolerance, memory_cap=memory_cap)
+        report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
     plan.notes.extend(traced.notes)
+    plan.pass_seconds = progress.seconds  # the same dict: codegen's seconds join it later
     return traced, plan
+
+
+def _codegen(graph_module, plan: Plan, progress: Progress):
+    with progress.run("codegen") as report:
+        stages = codegen(graph_module, plan)
+        report["detail"] = f"{len(stages)} stage modules"
+    return stages
 
 
 def plan(
@@ -104,10 +125,12 @@ def plan(
     tolerance: float = 0.03,
     memory_cap: float | None = None,
     route: str = "auto",
+    verbose: bool = False,
 ) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
-    ``devices`` here only names stages: an int plans that many stages without checking they exist."""
+    ``devices`` here only names stages: an int plans that many stages without checking they exist.
+    ``verbose=True`` reports each pass on stderr (they always go to the ``autopipe`` logger)."""
     _check_options(chunks, "except_last", balance)
     if isinstance(devices, int):
         if devices < 1:
@@ -117,7 +140,7 @@ def plan(
     else:
         device_list = resolve_devices(devices)
     _, result = _plan(model, _as_tuple(example_inputs), example_kwargs or {}, device_list, chunks, balance,
-                      leaf_modules, tolerance, memory_cap, route)
+                      leaf_modules, tolerance, memory_cap, route, Progress(verbose))
     return result
 
 
@@ -138,6 +161,7 @@ def compile(
     data_parallel: int = 1,
     timeout: float = 300.0,
     route: str = "auto",
+    verbose: bool = False,
 ) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a GPipe pipeline over ``devices`` with ``chunks`` micro-batches.
 
@@ -148,14 +172,24 @@ def compile(
 
     Under torchrun with ``devices=None``: one stage per rank over torch.distributed
     (``data_parallel`` replicas of the pipeline; ``timeout`` seconds bound any wait on a peer).
+
+    ``verbose=True`` reports each compiler pass and its seconds on stderr as it finishes (rank 0
+    only under torchrun); the reports always go to the ``autopipe`` logger, and the seconds to
+    ``pipe.plan.pass_seconds``.
     """
     _check_options(chunks, checkpoint, balance)
     if devices is None and running_under_torchrun():
+        speaks = verbose and int(os.environ.get("RANK", "0")) == 0
+        progress = [Progress(speaks)]  # one per build: plan_fn starts it, codegen_fn ends it
+
+        def plan_fn(args, kwargs, devs):
+            progress[0] = Progress(speaks)
+            return _plan(model, args, kwargs, devs, chunks, balance, leaf_modules, tolerance, memory_cap, route,
+                         progress[0])
+
         pipe = DistributedPipeline(
-            model, chunks, checkpoint,
-            plan_fn=lambda args, kwargs, devs: _plan(model, args, kwargs, devs, chunks, balance, leaf_modules,
-                                                     tolerance, memory_cap, route),
-            codegen_fn=codegen, data_parallel=data_parallel, timeout=timeout,
+            model, chunks, checkpoint, plan_fn=plan_fn,
+            codegen_fn=lambda graph_module, result: _codegen(graph_module, result, progress[0]), data_parallel=data_parallel, timeout=timeout,
             deferred_batch_norm=deferred_batch_norm)
         if example_inputs is not None or example_kwargs:
             pipe.build(_as_tuple(example_inputs), example_kwargs or {})
@@ -168,10 +202,11 @@ def compile(
                          f"(use autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
 
     def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
+        progress = Progress(verbose)
         traced, result = _plan(model, args, kwargs, device_list, chunks, balance, leaf_modules, tolerance,
-                               memory_cap, route)
+                               memory_cap, route, progress)
         _place(model, result)
-        stages = codegen(traced.graph_module, result)
+        stages = _codegen(traced.graph_module, result, progress)
         example = traced.flat_inputs(args, kwargs)
         return Compiled(traced=traced, plan=result, stages=stages, example_dtypes=[t.dtype for t in example])
 

@@ -54,6 +54,7 @@ class Plan:
     tolerance: float
     shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied weights: name -> stages
     notes: list[str] = field(default_factory=list)
+    pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
 
     @property
     def n_stages(self) -> int:
@@ -140,6 +141,9 @@ class Plan:
         if self.shared_params:
             lines.append("shared parameters (one tensor, gradients summed): " + ", ".join(
                 f"{n} in stages {list(s)}" for n, s in self.shared_params.items()))
+        if self.pass_seconds:
+            lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
+                         + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -8,13 +8,18 @@
                                                      # schedules and transports alone, CPU-free
 
 One run, 2 processes spawned on 127.0.0.1 with gloo, ``torch.set_num_threads(1)``
-in every process, ``transformer_like()`` (benchmarks/_models.py), batch 1024,
-no checkpointing, split at the middle block. Variants, interleaved step by step
+in every process, ``transformer_like(blocks=4)`` (benchmarks/_models.py), batch
+4096 (128 rows per micro-batch at M=32: the size at which one process runs 32
+micro-batches no slower than the whole batch on this CPU; at batch 1024 it runs
+them 0.81x as fast, and no pipeline can hide that), no checkpointing, split at
+the middle block. Variants, interleaved step by step
 (order rotated every repetition), median over ``--steps`` steps after warm-up:
 
 - plain:      one process, one thread, the whole batch at once (rank 1 idles)
 - 1p xM:      one process running the batch as M micro-batches (the cost of
               micro-batching alone, no pipeline)
+- 2p compute: both processes run their half on M micro-batches at once, with no
+              communication and no waiting: what two busy cores can do at best
 - p2p:        autopipe/runtime/p2p.py, ProcessGroup.send/recv directly
 - p2p-batch:  the same with dist.batch_isend_irecv (P2POp lists)
 - pipelining: torch.distributed.pipelining ScheduleGPipe + PipelineStage, the
@@ -285,6 +290,24 @@ def _bench_worker(rank, world, port, args, q):
 
             steps[("1p xM", M)] = mb_step
 
+            half_model = half(build(), rank)
+
+            def compute_only(st=half_model, M=M):
+                """Each rank runs its half on M micro-batches with no communication and no wait:
+                the pipeline's compute alone, both cores busy (memory bandwidth shared)."""
+                st.zero_grad(set_to_none=True)
+                outs = []
+                for xs in x.tensor_split(M):
+                    h = xs.detach().requires_grad_(rank > 0)
+                    outs.append(st(h))
+                for out, ys in zip(reversed(outs), reversed(y.tensor_split(M))):
+                    if rank == world - 1:
+                        (loss_fn(out, ys) * (len(ys) / B)).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+
+            steps[("2p compute", M)] = compute_only
+
             for ops in ("pg", "batch"):
                 full = build()
                 st = half(full, rank)
@@ -386,7 +409,8 @@ def bench(args):
     t0, gd0, ping = results[0]
     _, gd1, _ = results[1]
     plain = t0[("plain", 0)]
-    variants = [v for v in ("1p xM", "p2p", "p2p-batch", "pipelining", "autopipe") if any(k[0] == v for k in t0)]
+    variants = [v for v in ("1p xM", "2p compute", "p2p", "p2p-batch", "pipelining", "autopipe")
+                if any(k[0] == v for k in t0)]
     model_desc = (
         f"SleepModel(d={args.d}, blocks={args.blocks}, {args.sleep:g} s of sleep per plain step)"
         if args.sleep
@@ -408,6 +432,19 @@ def bench(args):
             cells.append(f"{s:7.3f}  {plain / s:6.2f}x" if s else f"{'-':>17}")
         print(f"{M:>3} {plain:8.3f} | " + " | ".join(f"{c:>17}" for c in cells) + f" | {2 * M / (M + 1):5.2f}")
     print("(1p xM: one process running M micro-batches; its 'speedup' < 1 is the micro-batching cost)")
+    print("(2p compute: each process runs its half on M micro-batches with no communication and no bubble)")
+    print("against the ideal 2M/(M+1): speedup over plain / ideal; the pipeline alone = (t(1p xM) / t) / ideal;")
+    print("schedule + transport = t(2p compute) * (M+1)/M / t, i.e. 1.00 when only GPipe's bubble is lost")
+    for M in args.chunks:
+        ideal = 2 * M / (M + 1)
+        cells = []
+        for v in ("pipelining", "autopipe"):
+            s, one, both = t0.get((v, M)), t0.get(("1p xM", M)), t0.get(("2p compute", M))
+            if s:
+                alone = f"{one / s / ideal:.2f}" if one else "-"
+                transport = f"{both * (M + 1) / M / s:.2f}" if both else "-"
+                cells.append(f"{v}: {plain / s / ideal:.2f}, alone {alone}, schedule+transport {transport}")
+        print(f"  M={M:<3} " + "   |   ".join(cells))
     print("gradients vs the plain model: max |diff| / max |grad| over the parameters each rank owns")
     for k in sorted(gd0, key=lambda k: (k[0], k[1])):
         a, sa, na = gd0[k]
@@ -727,15 +764,15 @@ def main():
         help="replace the blocks' compute by sleeping S s per plain step (1/3 forward, 2/3 "
         "backward): measures schedule + transport overhead without CPU contention",
     )
-    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 32])
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["1p xM", "p2p", "p2p-batch", "pipelining", "autopipe"],
+        default=["1p xM", "2p compute", "p2p", "p2p-batch", "pipelining", "autopipe"],
         help="rows to time besides plain (names as in the table)",
     )
     ap.add_argument("--steps", type=int, default=5)

@@ -15,6 +15,9 @@ Variants, interleaved round by round:
   plain                 model(x) on the calling thread
   hand loop xM          the plain model over M micro-batches with gradient accumulation
                         (micro-batching cost alone, no autopipe)
+  hand loop + ckpt      the same, each micro-batch but the last (except_last) or every one
+                        (always) under torch.utils.checkpoint: re-materialisation's own cost
+                        on this machine, no autopipe
   chunks=1              autopipe, checkpoint never
   chunks=M              autopipe, checkpoint never / except_last / always
 Targets: chunks=1 <= 1.03x; chunks=8 never <= 1.10x (torchgpipe 1.07x);
@@ -77,13 +80,26 @@ def main(argv=None) -> int:
         for xs, ys in zip(x.tensor_split(M), y.tensor_split(M)):
             (loss_fn(model(xs), ys) * (len(xs) / batch)).backward()
 
+    def hand_checkpointed(mode):
+        from torch.utils.checkpoint import checkpoint
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            for i, (xs, ys) in enumerate(zip(x.tensor_split(M), y.tensor_split(M))):
+                recompute = mode == "always" or i < M - 1
+                out = checkpoint(model, xs, use_reentrant=False) if recompute else model(xs)
+                (loss_fn(out, ys) * (len(xs) / batch)).backward()
+        return run
+
     configs = [(1, "never"), (M, "never"), (M, "except_last"), (M, "always")]
     pipes = {}
     for chunks, ckpt in configs:
         C.progress(f"compiling chunks={chunks} checkpoint={ckpt}")
         pipes[(chunks, ckpt)] = autopipe.compile(model, devices=["cpu"], chunks=chunks, checkpoint=ckpt,
                                                  intra_op_threads=threads, example_inputs=(x,))
-    variants = {"plain": step(model), f"hand x{M}": hand_loop}
+    variants = {"plain": step(model), f"hand x{M}": hand_loop,
+                f"hand x{M} except_last": hand_checkpointed("except_last"),
+                f"hand x{M} always": hand_checkpointed("always")}
     names = {}
     for (chunks, ckpt), pipe in pipes.items():
         names[(chunks, ckpt)] = f"c{chunks} {ckpt}"
@@ -96,12 +112,15 @@ def main(argv=None) -> int:
         target, tg = TARGETS.get(key, ("-", "-"))
         if chunks == M and M != 8 and key[0] == "pipe":
             target, tg = "-", "-"  # the targets are stated for M=8
-        vs_hand = f"{t.ratio(name, f'hand x{M}'):.2f}x" if chunks == M and name != f"hand x{M}" else "-"
+        hand = f"hand x{M}" if ckpt in ("never", "-") else f"hand x{M} {ckpt}"
+        vs_hand = f"{t.ratio(name, hand):.2f}x" if chunks == M and not name.startswith("hand") else "-"
         return [label, chunks, ckpt, C.fmt_s(t.median(name)), f"{t.ratio(name, 'plain'):.2f}x",
                 t.spread(name, "plain"), vs_hand, target, tg]
 
     rows = [["plain model", "-", "-", C.fmt_s(t.median("plain")), "1.00x", "-", "-", "-", "-"],
-            row(f"hand-written loop", M, "-", f"hand x{M}", ("hand", M, "-"))]
+            row("hand-written loop", M, "-", f"hand x{M}", ("hand", M, "-")),
+            row("hand loop + torch ckpt", M, "except_last", f"hand x{M} except_last", ("hand", M, "except_last")),
+            row("hand loop + torch ckpt", M, "always", f"hand x{M} always", ("hand", M, "always"))]
     for (chunks, ckpt), name in names.items():
         rows.append(row("autopipe, 1 worker", chunks, ckpt, name, ("pipe", chunks, ckpt)))
     n_params = sum(p.numel() for p in model.parameters())
@@ -112,7 +131,8 @@ def main(argv=None) -> int:
         f"with intra_op_threads={threads}",
         C.timing_line(t),
         f"'vs plain' = seconds / plain's seconds (lower is better; torchgpipe = its published overhead);",
-        f"'vs hand loop' = seconds / the plain model run as {M} micro-batches by hand: autopipe's own overhead",
+        f"'vs hand loop' = seconds / the plain model run as {M} micro-batches by hand, with the same checkpoint mode "
+        f"through torch.utils.checkpoint: autopipe's own overhead",
     ], quick=quick)
     text = head + "\n" + C.table(rows, ["variant", "chunks", "checkpoint", "s/step", "vs plain", "[quartiles]",
                                         "vs hand loop", "target", "torchgpipe"])

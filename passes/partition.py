@@ -75,6 +75,7 @@ import torch
 import torch.fx as fx
 
 from autopipe.plan import Plan, StagePlan, TensorInfo
+from autopipe.random_ops import is_random_target
 from .cost import CostedGraph
 
 
@@ -645,13 +646,6 @@ def _bytes(amount: float) -> str:
 # ---- graph adapter: CostedGraph -> CutProblem -> Plan ----
 
 
-_RANDOM_TARGETS = {
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-    "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
-    "randperm", "bernoulli", "multinomial", "normal", "poisson", "rrelu",
-}
-
-
 def partition(
     costed: CostedGraph,
     n_stages: int,
@@ -838,7 +832,7 @@ def _target_name(n: fx.Node) -> str:
 
 
 def _is_random(n: fx.Node) -> bool:
-    return _target_name(n).split(".")[-1] in _RANDOM_TARGETS or "dropout" in str(n.target)
+    return is_random_target(n.target)
 
 
 def _is_inplace(n: fx.Node) -> bool:

@@ -300,8 +300,28 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         if param_device is not None and param_device.type == "meta" and t.device.type != "meta":
             t = t.to("meta")
         fakes.append(mode.from_tensor(t))
-    with scalar_buffers_kept(gm):
+    with scalar_buffers_kept(gm), _cumulative_batch_norm_as_momentum(gm):
         FakeTensorProp(gm, mode).propagate(*fakes)
+
+
+class _cumulative_batch_norm_as_momentum:
+    """BatchNorm(momentum=None) computes its averaging factor as 1 / float(num_batches_tracked),
+    which cannot be read from a fake tensor. The factor changes no shape, so shape propagation
+    runs those modules with a numeric momentum; the model's own setting comes back after."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.modules = [m for m in module.modules()
+                        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.momentum is None]
+
+    def __enter__(self):
+        for m in self.modules:
+            m.momentum = 0.1
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.momentum = None
+        return False
 
 
 # -- naming and errors --------------------------------------------------------

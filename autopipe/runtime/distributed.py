@@ -41,6 +41,17 @@ def running_under_torchrun() -> bool:
     return dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def _refuse_cuda(named_values) -> None:
+    """The distributed runtime moves tensors over gloo between CPU stages; a CUDA tensor would
+    otherwise fail deep in the transport, or a GPU user would train on the CPU without knowing."""
+    for what, value in named_values:
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            raise NotImplementedError(
+                f"{what} is on {value.device}: autopipe's torchrun runtime runs CPU stages over gloo; CUDA stages "
+                f"over NCCL are not supported yet. Keep the model and inputs on the CPU (or build the model on "
+                f"meta), or use one process with autopipe.compile(model, devices=[...cuda devices...]).")
+
+
 def _pass_through(name: str) -> str:
     return f"{name}__to_loss"
 
@@ -123,6 +134,7 @@ class DistributedPipeline(torch.nn.Module):
                  deferred_batch_norm: bool = False, materialize_seed: int = 0):
         super().__init__()
         object.__setattr__(self, "model", model)
+        _refuse_cuda((f"model tensor {n!r}", p) for n, p in itertools.chain(model.named_parameters(), model.named_buffers()))
         if not dist.is_initialized():
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=max(timeout, 60)))
         self.world = dist.get_world_size()
@@ -207,6 +219,8 @@ class DistributedPipeline(torch.nn.Module):
 
     # -- building -----------------------------------------------------------------
     def build(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        import torch.utils._pytree as pytree
+        _refuse_cuda((f"input {i}", t) for i, t in enumerate(pytree.tree_leaves((args, kwargs))))
         devices = [self.device] * self.n_stages
         traced, plan = self._plan_fn(args, kwargs, devices)
         self._materialize(plan)

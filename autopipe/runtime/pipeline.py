@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from autopipe.random_ops import is_random_module, is_random_target
+
 from . import microbatch
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
@@ -56,21 +58,12 @@ class Compiled:
         self.mutated_inputs = [_mutated_inputs(s) for s in self.stages]
 
 
-_RANDOM_NAMES = ("dropout", "rand", "bernoulli", "multinomial", "normal", "poisson", "rrelu",
-                 "scaled_dot_product_attention")
-
-
 def _uses_rng(stage) -> bool:
     for node in stage.graph.nodes:
-        if node.op == "call_module":
-            sub = stage.get_submodule(node.target)
-            if any(isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU, torch.nn.MultiheadAttention))
-                   or not type(m).__module__.startswith("torch.nn") for m in sub.modules()):
-                return True
-        elif node.op in ("call_function", "call_method"):
-            name = str(getattr(node.target, "__name__", node.target))
-            if any(r in name for r in _RANDOM_NAMES):
-                return True
+        if node.op == "call_module" and is_random_module(stage.get_submodule(node.target)):
+            return True
+        if node.op in ("call_function", "call_method") and is_random_target(node.target):
+            return True
     return False
 
 
@@ -268,23 +261,32 @@ class _Step:
 
     def _backward_task(self, j: int, i: int):
         stage = self.stages[j]
+        inputs, outputs = self.saved.pop((j, i))
+        if outputs is None:
+            # Re-materialise before waiting for the gradients: it needs only the saved inputs, so it
+            # runs while later stages are still in their backward, off the critical path.
+            outputs = self._recompute(j, i, inputs)
         for name in stage.output_names:
             for consumer in self.plan.tensors[name].consumers:
                 if consumer != j:
                     self.backward_done[(consumer, i)].result()
         with self.clock(j, i, "backward"):
-            self._backward_compute(j, i)
+            self._backward_compute(j, i, inputs, outputs)
 
-    def _backward_compute(self, j: int, i: int):
+    def _recompute(self, j: int, i: int, inputs: list):
+        """The forward again, with the same inputs and random stream; running statistics untouched."""
         stage = self.stages[j]
-        inputs, outputs = self.saved.pop((j, i))
-        snapshot = []
-        if outputs is None:  # re-materialise: same inputs, same random stream, running stats untouched
-            if self.stages[j].training:
-                snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]]
-            with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True, recompute=True), SavedBytes(self.param_ids[j]) as saved:
-                outputs = stage(*self._stage_args(j, inputs))
-            self.memory.add_recompute(j, saved.total)
+        snapshot = [(b, b.clone()) for b in self.compiled.running_buffers[j]] if stage.training else []
+        with self.clock(j, i, "recompute"), self._task_context(j, i, grad=True, recompute=True), SavedBytes(self.param_ids[j]) as saved:
+            outputs = stage(*self._stage_args(j, inputs))
+        with torch.no_grad():
+            for buffer, before in snapshot:
+                buffer.copy_(before)
+        self.memory.add_recompute(j, saved.total)
+        return outputs
+
+    def _backward_compute(self, j: int, i: int, inputs: list, outputs):
+        stage = self.stages[j]
         roots, root_grads = [], []
         for name, out in zip(stage.output_names, outputs):
             with self.grad_lock:
@@ -295,9 +297,6 @@ class _Step:
         if roots:
             with self._device_context(stage.device):
                 torch.autograd.backward(roots, root_grads)
-        with torch.no_grad():
-            for buffer, before in snapshot:
-                buffer.copy_(before)
         for name, x in zip(stage.input_names, inputs):
             if isinstance(x, torch.Tensor) and x.requires_grad and x.grad is not None:
                 self._add_grad(i, name, x.grad)

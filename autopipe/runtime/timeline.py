@@ -49,8 +49,8 @@ class Timeline:
         return max((e.end for e in self.events), default=0.0) - self.start
 
     def busy(self, stage: int) -> float:
-        """Seconds the stage's worker spent in tasks (recompute is inside backward)."""
-        return sum(e.seconds for e in self.events if e.stage == stage and e.kind in ("forward", "backward"))
+        """Seconds the stage's worker spent computing (forward, recompute, backward; copies overlap them)."""
+        return sum(e.seconds for e in self.events if e.stage == stage and e.kind != "copy")
 
     @property
     def measured_bubble(self) -> float:

@@ -24,7 +24,7 @@ class TwoBranches(nn.Module):
         return self.head(torch.cat([a, b], 1))
 
 
-@pytest.mark.parametrize("momentum", [0.1, 0.3])
+@pytest.mark.parametrize("momentum", [0.1, 0.3, None])  # None: cumulative average
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
 def test_deferred_running_statistics_equal_the_plain_model(momentum, checkpoint):
     torch.manual_seed(0)
@@ -37,6 +37,7 @@ def test_deferred_running_statistics_equal_the_plain_model(momentum, checkpoint)
         plain(x).sum().backward()
     for (n, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert model.bn_a.momentum == momentum
 
 
 def test_without_deferral_statistics_update_once_per_micro_batch():

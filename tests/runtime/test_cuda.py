@@ -24,3 +24,11 @@ def test_stages_on_cuda_match_the_plain_model(name):
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
     assert all(s.cuda_peak is not None for s in pipe.memory.stages)
+
+
+def test_torchrun_runtime_refuses_a_cuda_model_before_any_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; nothing may connect before the refusal
+    model = build("mlp").cuda()
+    with pytest.raises(NotImplementedError, match=r"on cuda:0: .*CPU stages over gloo"):
+        autopipe.compile(model, chunks=2)
+    assert not torch.distributed.is_initialized()
