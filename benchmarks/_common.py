@@ -97,6 +97,22 @@ class Timings:
         return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
+def on_thread(fn: Callable[[], object], threads: int) -> Callable[[], object]:
+    """``fn`` run on one long-lived thread with ``threads`` intra-op threads, as an autopipe worker
+    runs a stage. The plain model gets this too because on these machines the same step ran up to
+    ~10% slower on the main thread than on a fresh thread; each table's baseline is the faster."""
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="plain", initializer=torch.set_num_threads, initargs=(threads,))
+    return lambda: pool.submit(fn).result()
+
+
+def faster(t: "Timings", *names: str) -> str:
+    """The variant with the lowest median: the baseline a ratio should be taken against."""
+    return min(names, key=t.median)
+
+
 def interleaved(variants: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
                 budget: float | None = None, label: str = "") -> Timings:
     """Time each callable once per round, rotating the order every round; ``warmup`` rounds are dropped.
