@@ -65,7 +65,7 @@ def main():
     generator = torch.Generator().manual_seed(0)
     x, y = batch_of_text(generator)
 
-    pipe = autopipe.compile(model, devices=4, chunks=8, example_inputs=(x,))
+    pipe = autopipe.compile(model, devices=4, chunks=8, example_inputs=(x,), verbose=True)  # passes on stderr
     print(pipe.plan)
     print("\nGenerated code of stage 1 (pipe.stages[1].code):")
     print(pipe.stages[1].code)

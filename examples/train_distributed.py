@@ -27,7 +27,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same weights on every rank
     model = TinyGPT()
-    pipe = autopipe.compile(model, chunks=args.chunks, data_parallel=args.data_parallel)
+    pipe = autopipe.compile(model, chunks=args.chunks, data_parallel=args.data_parallel, verbose=True)
     optimizer = None
     generator = torch.Generator().manual_seed(0)
     loss_fn = lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())
