@@ -94,6 +94,11 @@ def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tol
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
+        # A stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op
+        # costs weigh as they will when the pipeline runs, not at the whole batch's size.
+        batch = traced.batch_size
+        rows = -(-batch // chunks)
+        measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
         report["detail"] = f"balance={balance!r}" if isinstance(balance, str) else "balance=given weights"

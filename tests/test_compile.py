@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import autopipe
 from models import build, random_inputs, scalar_loss, tensor_leaves
@@ -237,3 +238,25 @@ def test_plan_a_48_block_gpt_on_meta_without_allocating():
     plan = autopipe.plan(model, (x,), devices=8, chunks=32)
     assert plan.n_stages == 8 and plan.imbalance < 1.2
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_balance_time_measures_at_micro_batch_size_and_matches_the_plain_model():
+    class Recorder(torch.nn.Module):  # a leaf module: fx keeps it whole, so the cost pass runs it eagerly
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.seen: list[int] = []
+
+        def forward(self, x):
+            if not isinstance(x, FakeTensor):  # tracing propagates shapes on fake tensors; timing runs real ones
+                self.seen.append(x.shape[0])
+            return torch.relu(self.linear(x))
+
+    model = torch.nn.Sequential(Recorder(), torch.nn.Linear(8, 8), Recorder(), torch.nn.Linear(8, 2))
+    x = torch.randn(10, 8)
+    ref_out, ref_grads = reference(model, (x,), {})
+    model[0].seen.clear()
+    pipe = autopipe.compile(model, devices=2, chunks=4, balance="time", leaf_modules=[Recorder], example_inputs=(x,))
+    assert pipe.plan.balance == "time"
+    assert model[0].seen and set(model[0].seen) == {3}  # timed on ceil(10 / 4) rows, as a stage will run
+    assert_equivalent(model, pipe, (x,), {}, ref_out, ref_grads)
