@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import re
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -131,6 +132,26 @@ def trace(
             result = _trace_fx(model, signature, input_names, input_spec, template, tensor_positions, leaf_modules)
         except Exception as e:  # fx's failures come in many exception types
             errors.append(("torch.fx.symbolic_trace", e))
+    notes: list[str] = []
+    hidden = _hidden_dropout(result[0]) if result is not None else []
+    if hidden:
+        # fx keeps these modules whole, and their dropout runs inside torch's own Python
+        # (F.multi_head_attention_forward), out of reach of the per-task generators; torch.export
+        # decomposes them into aten ops the runtime can route (runtime/checkpoint.py).
+        why = (f"{', '.join(hidden)}: nn.MultiheadAttention draws its dropout inside torch's Python code, "
+               f"where a per-task generator cannot reach it")
+        if route == "auto":
+            try:
+                result = _trace_export(model, arguments, batch_size, input_names)
+                notes.append(f"traced by torch.export rather than fx: {why}")
+            except Exception as e:
+                notes.append(f"torch.export failed ({type(e).__name__}), kept fx: {why}")
+                warnings.warn(f"autopipe: {why}; torch.export could not trace the model either, so that dropout "
+                              f"draws from the global generator and re-materialisation will not replay it. Use "
+                              f"checkpoint='never' or dropout=0 in those modules for exact gradients.", stacklevel=3)
+        else:
+            warnings.warn(f"autopipe: route='fx': {why}; re-materialisation will not replay that dropout. "
+                          f"Use route='auto' or 'export', or checkpoint='never'.", stacklevel=3)
     if result is None and route in ("auto", "export"):
         try:
             result = _trace_export(model, arguments, batch_size, input_names)
@@ -155,8 +176,20 @@ def trace(
         output_positions=output_positions,
         batch_size=batch_size,
         example_arguments={k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in arguments.items()},
-        notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors],
+        notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors]
+        + notes,
     )
+
+
+def _hidden_dropout(gm: fx.GraphModule) -> list[str]:
+    """Whole modules (call_module nodes) holding an nn.MultiheadAttention with active dropout."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            for name, m in gm.get_submodule(node.target).named_modules():
+                if isinstance(m, torch.nn.MultiheadAttention) and m.training and m.dropout > 0:
+                    found.append(f"{node.target}.{name}".rstrip("."))
+    return list(dict.fromkeys(found))
 
 
 # -- fx route -----------------------------------------------------------------

@@ -260,3 +260,43 @@ def test_balance_time_measures_at_micro_batch_size_and_matches_the_plain_model()
     assert pipe.plan.balance == "time"
     assert model[0].seen and set(model[0].seen) == {3}  # timed on ceil(10 / 4) rows, as a stage will run
     assert_equivalent(model, pipe, (x,), {}, ref_out, ref_grads)
+
+
+class _MHAModel(torch.nn.Module):
+    """nn.MultiheadAttention with attention dropout: its dropout runs inside torch's own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(a + h)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_dropout_replays_and_reproduces(need_weights):
+    model = _MHAModel().train()
+    if need_weights:  # the Python path of F.multi_head_attention_forward, with F.dropout on the weights
+        model.forward = lambda x: model.out(model.attn(model.inp(x), model.inp(x), model.inp(x))[0])
+    x = torch.randn(8, 5, 8)
+    results = []
+    for checkpoint in ["never", "always", "always"]:
+        pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(7)
+        out = pipe(x)
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad()
+    # fx would keep the attention whole, its dropout out of reach: the auto route exports instead
+    assert pipe.plan.route == "export" and any("MultiheadAttention" in n for n in pipe.plan.notes)
+    out0, grads0 = results[0]
+    for out, grads in results[1:]:
+        torch.testing.assert_close(out, out0, rtol=0, atol=0)
+        for n in grads0:
+            torch.testing.assert_close(grads[n], grads0[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    model.eval()
+    assert autopipe.compile(model, devices=2, chunks=4, example_inputs=(x,)).plan.route == "fx"
