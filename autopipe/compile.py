@@ -14,6 +14,7 @@ from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.checkpoint import CHECKPOINT_MODES
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
+from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Compiled, Pipeline
 
 BALANCE_MODES = ("flops", "params", "time")
@@ -97,7 +98,7 @@ def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tol
         # A stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op
         # costs weigh as they will when the pipeline runs, not at the whole batch's size.
         batch = traced.batch_size
-        rows = -(-batch // chunks)
+        rows = micro_batch_sizes(batch, chunks)[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
@@ -185,17 +186,13 @@ def compile(
     _check_options(chunks, checkpoint, balance)
     if devices is None and running_under_torchrun():
         speaks = verbose and int(os.environ.get("RANK", "0")) == 0
-        progress = [Progress(speaks)]  # one per build: plan_fn starts it, codegen_fn ends it
-
-        def plan_fn(args, kwargs, devs):
-            progress[0] = Progress(speaks)
-            return _plan(model, args, kwargs, devs, chunks, balance, leaf_modules, tolerance, memory_cap, route,
-                         progress[0])
-
         pipe = DistributedPipeline(
-            model, chunks, checkpoint, plan_fn=plan_fn,
-            codegen_fn=lambda graph_module, result: _codegen(graph_module, result, progress[0]), data_parallel=data_parallel, timeout=timeout,
-            deferred_batch_norm=deferred_batch_norm)
+            model, chunks, checkpoint,
+            plan_fn=lambda args, kwargs, devs: _plan(model, args, kwargs, devs, chunks, balance, leaf_modules,
+                                                     tolerance, memory_cap, route, Progress(speaks)),
+            codegen_fn=lambda graph_module, result: _codegen(graph_module, result,
+                                                             Progress(speaks, seconds=result.pass_seconds)),
+            data_parallel=data_parallel, timeout=timeout, deferred_batch_norm=deferred_batch_norm)
         if example_inputs is not None or example_kwargs:
             pipe.build(_as_tuple(example_inputs), example_kwargs or {})
         return pipe

@@ -21,10 +21,10 @@ logger = logging.getLogger("autopipe")
 class Progress:
     """Times the passes of one compile and reports them (see module docstring)."""
 
-    def __init__(self, verbose: bool = False, stream: TextIO | None = None):
+    def __init__(self, verbose: bool = False, stream: TextIO | None = None, seconds: dict[str, float] | None = None):
         self.verbose = verbose
         self.stream = stream
-        self.seconds: dict[str, float] = {}
+        self.seconds = {} if seconds is None else seconds  # pass a plan's pass_seconds to add to it
 
     def say(self, message: str, level: int = logging.INFO) -> None:
         logger.log(level, message)

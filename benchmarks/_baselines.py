@@ -35,6 +35,7 @@ copied; neither library is a dependency):
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 __all__ = ["uniform", "megatron", "block_partition", "parameters", "exact", "starts_from_sizes"]
@@ -136,9 +137,7 @@ def parameters(param_counts: Sequence[float], k: int) -> list[int]:
     parts falls back to ``partition_uniform``, as DeepSpeed does."""
     n = len(param_counts)
     _check(n, k)
-    prefix = [0.0]
-    for w in param_counts:
-        prefix.append(prefix[-1] + float(w))
+    prefix = _prefix_sums(param_counts)
     inf = float("inf")
     dp_max = [[inf] * (k + 1) for _ in range(n + 1)]
     dp_min = [[inf] * (k + 1) for _ in range(n + 1)]
@@ -174,9 +173,7 @@ def exact(weights: Sequence[float], k: int) -> list[int]:
     the one whose cuts come earliest (strict improvement only)."""
     n = len(weights)
     _check(n, k)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
+    prefix = _prefix_sums(weights)
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     arg = [[0] * (n + 1) for _ in range(k + 1)]
@@ -194,3 +191,8 @@ def exact(weights: Sequence[float], k: int) -> list[int]:
         end = arg[j][end]
         starts.append(end)
     return starts[::-1]
+
+
+def _prefix_sums(weights: Sequence[float]) -> list[float]:
+    """prefix[i] = the sum of the first i weights (prefix[0] = 0.0)."""
+    return [0.0, *itertools.accumulate(float(w) for w in weights)]

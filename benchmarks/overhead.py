@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
+from autopipe.runtime.checkpoint import checkpoints  # noqa: E402
 from benchmarks._models import transformer_like  # noqa: E402
 
 TARGETS = {  # (variant key) -> (target, torchgpipe's measurement)
@@ -75,19 +76,15 @@ def main(argv=None) -> int:
             loss_fn(fn(x), y).backward()
         return run
 
-    def hand_loop():
-        model.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.tensor_split(M), y.tensor_split(M)):
-            (loss_fn(model(xs), ys) * (len(xs) / batch)).backward()
-
-    def hand_checkpointed(mode):
+    def hand_loop(mode):
+        """The plain model over M micro-batches by hand; ``mode`` as autopipe's checkpoint, through
+        torch.utils.checkpoint."""
         from torch.utils.checkpoint import checkpoint
 
         def run():
             model.zero_grad(set_to_none=True)
             for i, (xs, ys) in enumerate(zip(x.tensor_split(M), y.tensor_split(M))):
-                recompute = mode == "always" or i < M - 1
-                out = checkpoint(model, xs, use_reentrant=False) if recompute else model(xs)
+                out = checkpoint(model, xs, use_reentrant=False) if checkpoints(mode, i, M) else model(xs)
                 (loss_fn(out, ys) * (len(xs) / batch)).backward()
         return run
 
@@ -97,9 +94,9 @@ def main(argv=None) -> int:
         C.progress(f"compiling chunks={chunks} checkpoint={ckpt}")
         pipes[(chunks, ckpt)] = autopipe.compile(model, devices=["cpu"], chunks=chunks, checkpoint=ckpt,
                                                  intra_op_threads=threads, example_inputs=(x,))
-    variants = {"plain": step(model), "plain thread": C.on_thread(step(model), threads), f"hand x{M}": hand_loop,
-                f"hand x{M} except_last": hand_checkpointed("except_last"),
-                f"hand x{M} always": hand_checkpointed("always")}
+    variants = {"plain": step(model), "plain thread": C.on_thread(step(model), threads),
+                f"hand x{M}": hand_loop("never"), f"hand x{M} except_last": hand_loop("except_last"),
+                f"hand x{M} always": hand_loop("always")}
     names = {}
     for (chunks, ckpt), pipe in pipes.items():
         names[(chunks, ckpt)] = f"c{chunks} {ckpt}"
