@@ -1,13 +1,19 @@
-"""autopipe: compile an unmodified PyTorch model into a GPipe pipeline.
+"""autopipe: compile an unmodified PyTorch model into a pipeline.
 
     pipe = autopipe.compile(model, devices=4, chunks=8)
     loss_fn(pipe(x), y).backward()      # gradients land on the model's own parameters
     print(pipe.plan); print(pipe.stages[1].code)
 """
-from autopipe.compile import compile, plan
+from autopipe.compile import Options, compile, plan, run_passes
+from autopipe.errors import (BatchMismatch, BatchSpecialised, InputMismatch, NoFeasiblePlan, PipelineError,
+                             StageFailure, TraceError, UnroutedRandomOp)
 from autopipe.plan import Plan, StagePlan
+from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.schedule import Schedule
+from autopipe.verify import VerifyReport, verify
 
-__all__ = ["compile", "plan", "Pipeline", "Plan", "StagePlan", "Schedule"]
-__version__ = "0.1.0"
+__all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan",
+           "StagePlan", "Schedule", "VerifyReport", "BatchMismatch", "BatchSpecialised", "InputMismatch",
+           "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
+__version__ = "0.2.0"

@@ -1,23 +1,66 @@
-"""compile() and plan(): run the passes trace -> cost -> partition -> codegen, then build the runtime."""
+"""compile() and plan(): one chain of passes (trace -> cost -> partition -> codegen), then a runtime.
+
+``run_passes`` is the only place the passes are chained; compile, plan, the
+command line and the torchrun runtime all call it with one :class:`Options`.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from autopipe.global_state import preserved_global_state
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
-from autopipe.passes.trace import trace
+from autopipe.passes.trace import BatchSpecialised, trace
 from autopipe.plan import Plan
 from autopipe.progress import Progress
-from autopipe.runtime.checkpoint import CHECKPOINT_MODES
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
-from autopipe.runtime.pipeline import Compiled, Pipeline
+from autopipe.runtime.pipeline import Compiled, Pipeline, Program
+from autopipe.runtime.schedule import NAMES as SCHEDULES
+from autopipe.runtime.task import CHECKPOINT_MODES
 
 BALANCE_MODES = ("flops", "params", "time")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every entry point fills once and every pass reads."""
+
+    devices: tuple[torch.device, ...]          # one per stage: K devices x v virtual stages, round robin
+    chunks: int = 8
+    balance: str | tuple[float, ...] = "flops"
+    leaf_modules: tuple[type | str, ...] = ()
+    tolerance: float = 0.03
+    memory_cap: float | None = None
+    route: str = "auto"
+    verbose: bool = False
+
+    @classmethod
+    def make(cls, devices: Sequence[torch.device], *, chunks: int, balance: Any = "flops", checkpoint: str = "except_last",
+             leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
+             route: str = "auto", verbose: bool = False, schedule: str = "gpipe", virtual_stages: int = 1) -> "Options":
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if isinstance(balance, str) and balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {balance!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
+        if (schedule == "interleaved") != (virtual_stages > 1):
+            raise ValueError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: 'interleaved' needs "
+                             f"virtual_stages >= 2, 'gpipe' and '1f1b' run one stage per device")
+        stage_devices = tuple(devices[s % len(devices)] for s in range(len(devices) * virtual_stages))
+        return cls(devices=stage_devices, chunks=chunks, balance=balance if isinstance(balance, str) else tuple(balance),
+                   leaf_modules=tuple(leaf_modules), tolerance=tolerance, memory_cap=memory_cap, route=route,
+                   verbose=verbose)
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
@@ -58,65 +101,79 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
     return resolved
 
 
-def _check_options(chunks: int, checkpoint: str, balance: Any) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    if isinstance(balance, str) and balance not in BALANCE_MODES:
-        raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {balance!r}")
+def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
+    """For planning only: an int names that many stages without checking they exist."""
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]
+    return resolve_devices(devices)
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
-    if example_inputs is None:
-        return ()
-    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
+               generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
+               progress: Progress | None = None) -> Compiled:
+    """trace -> cost -> partition (-> codegen with ``generate``), each pass reported on ``progress``.
+
+    ``before_codegen(plan)`` runs between partition and codegen: compile places parameters on
+    their stages' devices there, the torchrun runtime materialises its own stage's meta weights.
+
+    Leaves the caller's global state (grad mode, RNG, autocast, defaults) as it was, also when a
+    pass raises. A model that specialises on the batch size is traced once per micro-batch size."""
+    progress = progress or Progress(options.verbose)
+    with preserved_global_state():
+        n_params = sum(p.numel() for p in model.parameters())
+        progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as "
+                     f"{len(options.devices)} stages x {options.chunks} micro-batches")
+        try:
+            program = _program(model, args, kwargs, options, None, generate, before_codegen, progress)
+            programs = {None: program}
+        except BatchSpecialised as e:
+            batch = e.batch_size
+            sizes = sorted(set(micro_batch_sizes(batch, options.chunks)), reverse=True)
+            progress.say(f"the model specialises on the batch size: tracing at micro-batch size(s) {sizes}")
+            programs = {size: _program(model, args, kwargs, options, size, generate, before_codegen, progress, e)
+                        for size in sizes}
+    example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
+    return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
 
-def _plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
-          progress: Progress | None = None):
-    # Tracing runs the model's Python (fake tensors, export): it must not move the user's RNG.
-    cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda_devices):
-        return _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
-                           progress or Progress())
-
-
-def _run_passes(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap, route,
-                progress: Progress):
-    n_params = sum(p.numel() for p in model.parameters())
-    progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(devices)} stages "
-                 f"x {chunks} micro-batches")
+def _program(model, args, kwargs, options: Options, static_batch: int | None, generate: bool, before_codegen,
+             progress: Progress, specialised: BatchSpecialised | None = None) -> Program:
     with progress.run("trace") as report:
-        traced = trace(model, args, kwargs, leaf_modules=leaf_modules, route=route)
+        traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route,
+                       static_batch=static_batch)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
-    if balance == "time":
+    if options.balance == "time":
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
         # A stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op
         # costs weigh as they will when the pipeline runs, not at the whole batch's size.
-        batch = traced.batch_size
-        rows = micro_batch_sizes(batch, chunks)[0]
+        rows = static_batch or micro_batch_sizes(traced.batch_size, options.chunks)[0]
+        batch = traced.batch_size if static_batch is None else measure[0].shape[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
-        report["detail"] = f"balance={balance!r}" if isinstance(balance, str) else "balance=given weights"
+        report["detail"] = f"balance={options.balance!r}" if isinstance(options.balance, str) else "balance=given weights"
     with progress.run("partition") as report:
-        plan = partition(costed, len(devices), devices=devices, chunks=chunks, balance=balance,
-                         tolerance=tolerance, memory_cap=memory_cap)
+        plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks,
+                         balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
+                         notes=list(traced.notes) + ([f"traced at micro-batch size {static_batch}: "
+                                                      f"{str(specialised).splitlines()[0]}"]
+                                                     if specialised is not None else []),
+                         pass_seconds=progress.seconds)
         report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
-    plan.notes.extend(traced.notes)
-    plan.pass_seconds = progress.seconds  # the same dict: codegen's seconds join it later
-    return traced, plan
-
-
-def _codegen(graph_module, plan: Plan, progress: Progress):
-    with progress.run("codegen") as report:
-        stages = codegen(graph_module, plan)
-        report["detail"] = f"{len(stages)} stage modules"
-    return stages
+    stages = []
+    if generate:
+        if before_codegen is not None:
+            before_codegen(plan)
+        with progress.run("codegen") as report:
+            stages = codegen(traced.graph_module, plan)
+            report["detail"] = f"{len(stages)} stage modules"
+    return Program(traced=traced, plan=plan, stages=stages)
 
 
 def plan(
@@ -131,23 +188,18 @@ def plan(
     tolerance: float = 0.03,
     memory_cap: float | None = None,
     route: str = "auto",
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
     verbose: bool = False,
 ) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist.
     ``verbose=True`` reports each pass on stderr (they always go to the ``autopipe`` logger)."""
-    _check_options(chunks, "except_last", balance)
-    if isinstance(devices, int):
-        if devices < 1:
-            raise ValueError(f"devices must be at least 1, got {devices}")
-        device_list = [torch.device("cuda", i) if torch.cuda.is_available() and i < torch.cuda.device_count()
-                       else torch.device("cpu") for i in range(devices)]
-    else:
-        device_list = resolve_devices(devices)
-    _, result = _plan(model, _as_tuple(example_inputs), example_kwargs or {}, device_list, chunks, balance,
-                      leaf_modules, tolerance, memory_cap, route, Progress(verbose))
-    return result
+    options = Options.make(plan_devices(devices), chunks=chunks, balance=balance, leaf_modules=leaf_modules,
+                           tolerance=tolerance, memory_cap=memory_cap, route=route, verbose=verbose,
+                           schedule=schedule, virtual_stages=virtual_stages)
+    return run_passes(model, _as_tuple(example_inputs), example_kwargs or {}, options, generate=False).plan
 
 
 def compile(
@@ -158,65 +210,70 @@ def compile(
     example_inputs: Any = None,
     example_kwargs: dict[str, Any] | None = None,
     checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
     balance: str | Sequence[float] = "flops",
     leaf_modules: Iterable[type | str] = (),
     tolerance: float = 0.03,
     memory_cap: float | None = None,
     intra_op_threads: int | None = None,
     deferred_batch_norm: bool = False,
+    track_memory: bool = False,
     data_parallel: int = 1,
     timeout: float = 300.0,
     route: str = "auto",
     verbose: bool = False,
 ) -> Pipeline | DistributedPipeline:
-    """Compile ``model`` into a GPipe pipeline over ``devices`` with ``chunks`` micro-batches.
+    """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches.
 
     Without example inputs the pipeline compiles on its first call, from that call's inputs.
     The model is not copied: stages hold its own parameters, and gradients land on them.
+    ``schedule``: "gpipe" (default), "1f1b" or "interleaved" (with ``virtual_stages`` >= 2 stages
+    per device); the last two need ``pipe.step(x, target=y, loss_fn=f)`` to train.
     ``deferred_batch_norm=True`` tracks BatchNorm running statistics over the whole mini-batch
-    (torchgpipe's DeferredBatchNorm), so they equal the plain model's.
+    (torchgpipe's DeferredBatchNorm), so they equal the plain model's. ``track_memory=True``
+    counts the bytes each stage keeps between forward and backward (``pipe.memory``).
 
     Under torchrun with ``devices=None``: one stage per rank over torch.distributed
     (``data_parallel`` replicas of the pipeline; ``timeout`` seconds bound any wait on a peer).
-
-    ``verbose=True`` reports each compiler pass and its seconds on stderr as it finishes (rank 0
-    only under torchrun); the reports always go to the ``autopipe`` logger, and the seconds to
-    ``pipe.plan.pass_seconds``.
     """
-    _check_options(chunks, checkpoint, balance)
     if devices is None and running_under_torchrun():
-        speaks = verbose and int(os.environ.get("RANK", "0")) == 0
-        pipe = DistributedPipeline(
-            model, chunks, checkpoint,
-            plan_fn=lambda args, kwargs, devs: _plan(model, args, kwargs, devs, chunks, balance, leaf_modules,
-                                                     tolerance, memory_cap, route, Progress(speaks)),
-            codegen_fn=lambda graph_module, result: _codegen(graph_module, result,
-                                                             Progress(speaks, seconds=result.pass_seconds)),
-            data_parallel=data_parallel, timeout=timeout, deferred_batch_norm=deferred_batch_norm)
+        # every rank plans all K stages; Options.make checks the options before any process group exists
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        n = max(1, world // max(1, data_parallel))
+        options = Options.make([torch.device("cpu")] * n, chunks=chunks, balance=balance, checkpoint=checkpoint,
+                               leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
+                               verbose=verbose and int(os.environ.get("RANK", "0")) == 0)
+        pipe = DistributedPipeline(model, options, checkpoint, run_passes, data_parallel=data_parallel, timeout=timeout,
+                                   deferred_batch_norm=deferred_batch_norm)
         if example_inputs is not None or example_kwargs:
             pipe.build(_as_tuple(example_inputs), example_kwargs or {})
         return pipe
     if data_parallel != 1:
         raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
     device_list = resolve_devices(devices)
+    options = Options.make(device_list, chunks=chunks, balance=balance, checkpoint=checkpoint,
+                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
+                           verbose=verbose, schedule=schedule, virtual_stages=virtual_stages)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights "
                          f"(use autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
 
     def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
-        progress = Progress(verbose)
-        traced, result = _plan(model, args, kwargs, device_list, chunks, balance, leaf_modules, tolerance,
-                               memory_cap, route, progress)
-        _place(model, result)
-        stages = _codegen(traced.graph_module, result, progress)
-        example = traced.flat_inputs(args, kwargs)
-        return Compiled(traced=traced, plan=result, stages=stages, example_dtypes=[t.dtype for t in example])
+        return run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
 
     pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
-                    deferred_batch_norm=deferred_batch_norm)
+                    deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
+                    track_memory=track_memory)
     if example_inputs is not None or example_kwargs:
         pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
     return pipe
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if example_inputs is None:
+        return ()
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 def _place(model: torch.nn.Module, result: Plan) -> None:
@@ -230,9 +287,10 @@ def _place(model: torch.nn.Module, result: Plan) -> None:
             if name in placed:
                 continue
             placed.add(name)
-            module_name, _, attr = name.rpartition(".")
-            owner = model.get_submodule(module_name)
-            tensor = getattr(owner, attr)
+            tensor = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
             if tensor.device != stage.device:
                 with torch.no_grad():
                     tensor.data = tensor.data.to(stage.device)
+
+
+__all__ = ["Options", "compile", "plan", "run_passes", "resolve_devices", "plan_devices"]

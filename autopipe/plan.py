@@ -24,6 +24,11 @@ class TensorInfo:
     producer: int               # stage index; -1 for a graph input
     consumers: tuple[int, ...]  # stage indices that read it
     is_output: bool = False     # also an output of the model
+    kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
+    batched: bool = True        # dim 0 is the batch (split into micro-batches)
+
+    def micro_batch_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, *self.shape[1:]) if self.batched and self.shape else self.shape
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ convention, so that the graph is what the later passes expect:
   each ``get_attr`` sits just before its first user.
 
 No node bakes in the batch size (it is a ``torch.export.Dim``), so every
-piece of the graph runs on micro-batches of any size >= 1. The batch size
+piece of the graph runs on micro-batches of any size >= 1 (unless asked for
+a static graph, ``dynamic_batch=False``: then every size is a constant). The batch size
 reaches later nodes as ``aten.sym_size.int(<input>, 0)`` nodes (SymInt
 values): a piece of the graph that uses one needs it as an input (an int)
 or must recompute it from a tensor it has.
@@ -277,13 +278,16 @@ def _leaf_names(bound: dict[str, Any]) -> list[str]:
 
 
 def export_flat_graph(
-    model: nn.Module, bound: dict[str, Any], batch_size: int
+    model: nn.Module, bound: dict[str, Any], batch_size: int, *, dynamic_batch: bool = True
 ) -> ExportedGraph:
     """Capture ``model`` called with ``bound`` as a flat fx graph (see module doc).
 
     ``bound`` is ``inspect.signature(model.forward).bind(*args, **kwargs).arguments``.
     ``batch_size`` is the size of dim 0 of the batch tensors in ``bound``: dim 0
     of every tensor leaf of that size becomes one dynamic dimension, ``batch``.
+    With ``dynamic_batch=False`` no dimension is dynamic: the graph is exported
+    for exactly these shapes (``batch_symbol`` is None), for models that make
+    the batch size a constant (trace.py's ``static_batch``).
     Raises ``ExportRouteError`` (with torch's error chained) if export fails.
     """
     bound = dict(bound)
@@ -313,7 +317,7 @@ def export_flat_graph(
         if not isinstance(x, torch.Tensor):
             continue
         x0 = x.detach()
-        if b and batch_size == 1:
+        if b and batch_size == 1 and dynamic_batch:
             x0 = torch.cat([x0, x0])
         if 0 in x0.stride() and x0.numel() > 1:  # expanded: memory overlaps
             y = x0.clone()
@@ -323,7 +327,7 @@ def export_flat_graph(
                 y.copy_(x0)
         examples.append(y.requires_grad_(x.requires_grad))
     batch = torch.export.Dim("batch", min=1)
-    dynamic = tuple({0: batch} if b else None for b, t in zip(is_batch, is_tensor) if t)
+    dynamic = tuple({0: batch} if b and dynamic_batch else None for b, t in zip(is_batch, is_tensor) if t)
 
     record: dict[str, Any] = {}
     wrapper = _FlatCall(model, leaves, is_tensor, in_spec, forced, record)
@@ -336,14 +340,15 @@ def export_flat_graph(
     except Exception as e:  # noqa: BLE001 - re-raised with what was tried
         where = _user_frame(e, model)
         hint = ""
-        if "Constraints violated (batch)" in str(e):
+        if dynamic_batch and "Constraints violated (batch)" in str(e):
             hint = (
                 "\nThe model treats the batch size as a constant (e.g. reshape("
                 f"{batch_size}, ...)), so it cannot run on smaller micro-batches; "
                 'TORCH_LOGS="+dynamic" shows where it specialised.'
             )
+        how = f"dim 0 of size {batch_size} dynamic" if dynamic_batch else f"static shapes, batch {batch_size}"
         raise ExportRouteError(
-            f"torch.export (non-strict, dim 0 of size {batch_size} dynamic) failed on "
+            f"torch.export (non-strict, {how}) failed on "
             f"{type(model).__name__}{where}: {type(e).__name__}: {e}{hint}"
         ) from e
     out_spec, out_consts = record["out_spec"], record["out_constants"]

@@ -657,6 +657,8 @@ def partition(
     comm_cost_per_byte: float = 0.0,
     memory_cap: float | None = None,
     optimizer_state_multiple: float = 2.0,
+    notes: Sequence[str] = (),
+    pass_seconds: dict[str, float] | None = None,
 ) -> Plan:
     """Cut the traced graph into ``n_stages`` contiguous stages (see module docstring)."""
     gm = costed.traced.graph_module
@@ -743,8 +745,12 @@ def partition(
             stage_of[n] = s
             for m in members.get(n, []):
                 stage_of[m] = s
-    return _build_plan(costed, order, stage_of, free, dict(zip(every, every_weight)), n_stages, devices, chunks,
+    plan = _build_plan(costed, order, stage_of, free, dict(zip(every, every_weight)), n_stages, devices, chunks,
                        balance, tolerance, optimum, output_args)
+    plan.notes.extend(notes)
+    if pass_seconds is not None:
+        plan.pass_seconds = pass_seconds  # the caller's running dict: later passes' seconds join it
+    return plan
 
 
 def _is_tensor_valued(n: fx.Node) -> bool:
@@ -846,6 +852,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n in stage_of or n in free]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = costed.traced.batch_size
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
 
     # Which stages need each value: a replicated node is needed wherever its users are.
@@ -875,7 +882,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     for p in placeholders:
         consumers = sorted(users_stages(p))
         val = p.meta.get("val")
-        tensors[p.name] = _info(p, -1, consumers, p in output_args)
+        tensors[p.name] = _info(p, -1, consumers, p in output_args, batch)
         for s in consumers:
             stage_inputs[s].append(p.name)
     for n in every:
@@ -888,7 +895,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         if any(c < s for c in later):
             raise AssertionError(f"node {n.name} feeds an earlier stage: the order is not topological")
         if later or n in output_args:
-            tensors[n.name] = _info(n, s, later, n in output_args)
+            tensors[n.name] = _info(n, s, later, n in output_args, batch)
             stage_outputs[s].append(n.name)
             for c in later:
                 stage_inputs[c].append(n.name)
@@ -933,11 +940,20 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     )
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool) -> TensorInfo:
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int) -> TensorInfo:
+    """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind."""
     val = n.meta.get("val")
+    kind, batched = "tensor", False
     if isinstance(val, torch.Tensor):
         shape, dtype, nbytes = tuple(int(d) for d in val.shape), val.dtype, val.numel() * val.element_size()
+        batched = bool(val.dim()) and (isinstance(val.shape[0], torch.SymInt) or int(val.shape[0]) == batch)
     else:
-        shape, dtype, nbytes = (), torch.float32, 0
+        shape, dtype, nbytes = (), torch.int64, 0
+        if isinstance(val, (int, torch.SymInt)):
+            kind = "int"
+        elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
+            kind, shape = "size", (len(val),)
+        else:
+            kind = "other"
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer,
-                      consumers=tuple(consumers), is_output=is_output)
+                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched)

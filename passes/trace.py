@@ -10,6 +10,13 @@ Route 1 is ``torch.fx.symbolic_trace`` (module-level, readable code).
 Route 2, when fx fails, is non-strict ``torch.export`` with a dynamic batch
 dimension (see ``export_route.py``). Shapes and dtypes come from
 ``FakeTensorProp``, so a model on the meta device is traced without memory.
+Route 3, only on request (``static_batch=n``), is ``torch.export`` with no
+dynamic dimension at a micro-batch of n rows, for models whose Python bakes
+the batch size in (``BatchSpecialised``).
+
+Tracing runs the model's Python; ``trace`` leaves torch's global state (grad
+mode, autocast, default dtype and device, RNG, ...) as it found it, also when
+it raises (``autopipe.global_state``).
 """
 from __future__ import annotations
 
@@ -27,17 +34,39 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from autopipe.global_state import preserved_global_state
+
 
 class TraceError(RuntimeError):
     """Neither fx nor torch.export could capture the model."""
 
 
+class BatchSpecialised(TraceError):
+    """fx could not trace the model (or was not asked to) and torch.export found that its Python
+    treats the batch size as a constant (``timesteps.expand(len(x))``, ``reshape(4, ...)``) or
+    bounds it (diffusers' ``if x.shape[0] >= 64``): no graph runs every micro-batch size. Such a model still pipelines with equal micro-batches:
+    trace it again with ``static_batch=<micro-batch size>``, once per size it must run at.
+
+    ``errors`` holds each route's failure, ``(route, exception)``; the message explains all."""
+
+    def __init__(self, message: str, errors: list[tuple[str, BaseException]], batch_size: int):
+        super().__init__(message)
+        self.errors = errors
+        self.batch_size = batch_size
+
+
 @dataclass
 class TracedModel:
-    """A flat graph of the model plus what is needed to call it like the model."""
+    """A flat graph of the model plus what is needed to call it like the model.
+
+    Batch: with ``static_batch is None`` (routes "fx" and "export") nothing in the graph fixes
+    the batch size: it runs micro-batches of any number of rows. With ``static_batch=n``
+    (route "export-static", see ``trace``) every shape in the graph is a constant, traced at
+    n rows (``batch_size == n``): the graph runs micro-batches of exactly n rows, and a ragged
+    last micro-batch needs a graph of its own, traced at its size."""
 
     graph_module: fx.GraphModule
-    route: str                         # "fx" or "export"
+    route: str                         # "fx", "export" or "export-static"
     signature: inspect.Signature       # of model.forward, to bind a call's arguments
     input_names: list[str]             # placeholder names, one per tensor leaf
     input_spec: pytree.TreeSpec        # of the bound-arguments dict
@@ -49,6 +78,7 @@ class TracedModel:
     batch_size: int                    # dim 0 of the batch tensors it was traced with
     example_arguments: dict[str, Any] = field(default_factory=dict)  # argument name -> its kind when traced
     notes: list[str] = field(default_factory=list)
+    static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
 
     # -- calling convention -------------------------------------------------
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -104,11 +134,38 @@ def trace(
     *,
     leaf_modules: Iterable[type | str] = (),
     route: str = "auto",
+    static_batch: int | None = None,
 ) -> TracedModel:
     """Trace ``model(*args, **kwargs)`` into a flat graph with fake-tensor shapes.
 
-    ``route``: "auto" (fx, then export), "fx" or "export".
+    ``route``: "auto" (fx, then export with a dynamic batch), "fx" or "export".
+
+    Raises ``BatchSpecialised`` (a ``TraceError``) when fx fails (or is not asked for) and
+    export fails because the model's Python makes the batch size a constant. Then trace again
+    with ``static_batch=n``: the batch tensors (the tensor arguments whose dim 0 has the batch
+    size of the first tensor argument) are cut to their first n rows and the model is exported
+    with no dynamic dimension (route "export-static"; fx is not tried: its graph would be the
+    one fx already failed on). ``route`` must then be "auto" or "export".
+
+    Torch's global state (grad mode, autocast, default dtype and device, RNG, ...) is left as
+    it was found, also when tracing raises; what had to be put back is in ``notes``.
     """
+    if static_batch is not None:
+        if isinstance(static_batch, bool) or not isinstance(static_batch, int) or static_batch < 1:
+            raise ValueError(f"static_batch must be a positive int (rows per micro-batch), got {static_batch!r}")
+        if route == "fx":
+            raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
+                             "'export', not 'fx' (an fx graph does not fix the batch size)")
+    if route not in ("auto", "fx", "export"):
+        raise ValueError(f"route must be 'auto', 'fx' or 'export', got {route!r}")
+    with preserved_global_state() as guard:
+        traced = _trace(model, args, kwargs, leaf_modules, route, static_batch)
+    if guard.restored:
+        traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
+    return traced
+
+
+def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedModel:
     kwargs = dict(kwargs or {})
     signature = inspect.signature(model.forward)
     try:
@@ -124,6 +181,9 @@ def trace(
     input_names = _unique_names(_path_name(leaves_with_path[i][0]) for i in tensor_positions)
     batch_size = _batch_size(leaves, tensor_positions, input_names)
     template = [None if i in tensor_positions else leaf for i, leaf in enumerate(leaves)]
+    if static_batch is not None:
+        return _trace_static(model, signature, arguments, leaves, input_spec, template, tensor_positions,
+                             input_names, batch_size, static_batch)
 
     errors: list[tuple[str, BaseException]] = []
     result = None
@@ -158,6 +218,9 @@ def trace(
         except Exception as e:
             errors.append(("torch.export (non-strict, dynamic batch)", e))
     if result is None:
+        if _specialises_batch(errors[-1][1]):
+            raise BatchSpecialised(_explain_failures(model, errors, batch_size=batch_size), errors,
+                                   batch_size) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
 
     graph_module, route_taken, output_spec, output_template, output_positions = result
@@ -179,6 +242,72 @@ def trace(
         notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors]
         + notes,
     )
+
+
+def _trace_static(model, signature, arguments, leaves, input_spec, template, tensor_positions, input_names,
+                  batch_size, static_batch) -> TracedModel:
+    """torch.export with no dynamic dimension, at ``static_batch`` rows (see ``trace``)."""
+    if static_batch > batch_size:
+        raise ValueError(f"static_batch={static_batch} is more rows than the example inputs have ({batch_size})")
+    cut = [leaf[:static_batch] if i in tensor_positions and leaf.dim() > 0 and leaf.shape[0] == batch_size
+           else leaf for i, leaf in enumerate(leaves)]
+    cut_arguments = pytree.tree_unflatten(cut, input_spec)
+    try:
+        graph_module, _, output_spec, output_template, output_positions = _trace_export(
+            model, cut_arguments, static_batch, input_names, dynamic_batch=False)
+    except Exception as e:
+        errors = [(f"torch.export (non-strict, static shapes, batch {static_batch})", e)]
+        raise TraceError(_explain_failures(model, errors)) from e
+    _propagate_fake_shapes(graph_module, [cut[i] for i in tensor_positions])
+    return TracedModel(
+        graph_module=graph_module,
+        route="export-static",
+        signature=signature,
+        input_names=input_names,
+        input_spec=input_spec,
+        input_leaves=template,
+        tensor_positions=tensor_positions,
+        output_spec=output_spec,
+        output_leaves=output_template,
+        output_positions=output_positions,
+        batch_size=static_batch,
+        example_arguments={k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in arguments.items()},
+        notes=[f"traced at a static batch of {static_batch} rows (torch.export, no dynamic dimension): "
+               f"the model treats the batch size as a constant"],
+        static_batch=static_batch,
+    )
+
+
+def _specialises_batch(error: BaseException) -> bool:
+    """Did torch.export fail because the model's Python fixed (or bounded) the dynamic batch?
+
+    torch raises ``torch._dynamo.exc.UserError`` with ``error_type`` CONSTRAINT_VIOLATION
+    (non-strict export), or ``ConstraintViolationError`` from the shape environment; the
+    message "Constraints violated" is the fallback for versions that wrap them otherwise."""
+    try:
+        from torch._dynamo.exc import UserError, UserErrorType
+    except ImportError:  # pragma: no cover - torch without dynamo
+        UserError = UserErrorType = None
+    try:
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+    except ImportError:  # pragma: no cover
+        ConstraintViolationError = None
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if UserError is not None and isinstance(e, UserError) \
+                and getattr(e, "error_type", None) is UserErrorType.CONSTRAINT_VIOLATION:
+            return True
+        if ConstraintViolationError is not None and isinstance(e, ConstraintViolationError):
+            return True
+        if "Constraints violated" in str(e).split("\n", 1)[0] and "batch" in str(e):
+            return True
+        stack.extend([e.__cause__, e.__context__])
+    return False
 
 
 def _hidden_dropout(gm: fx.GraphModule) -> list[str]:
@@ -268,10 +397,10 @@ def _flatten_output(out: Any) -> tuple[list[Any], pytree.TreeSpec]:
 
 # -- export route -------------------------------------------------------------
 
-def _trace_export(model, arguments, batch_size, input_names):
+def _trace_export(model, arguments, batch_size, input_names, dynamic_batch: bool = True):
     from .export_route import export_flat_graph
 
-    exported = export_flat_graph(model, arguments, batch_size)
+    exported = export_flat_graph(model, arguments, batch_size, dynamic_batch=dynamic_batch)
     gm = exported.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, input_names):
@@ -397,7 +526,8 @@ def _batch_size(leaves, tensor_positions, input_names) -> int:
     return batch
 
 
-def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]]) -> str:
+def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]],
+                      batch_size: int | None = None) -> str:
     lines = [f"autopipe could not trace {type(model).__name__}:"]
     for route, error in errors:
         lines.append(f"  - {route}: {type(error).__name__}: {_first_line(error)}")
@@ -407,6 +537,13 @@ def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseExcept
         where = _user_frame(error)
         if where:
             lines.append(f"      at {where}")
+    if batch_size is not None:
+        lines.append(
+            f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every "
+            f"micro-batch size. It can still be pipelined with equal micro-batches: trace(..., static_batch=<rows "
+            f"per micro-batch>) exports it at that size with no dynamic dimension. Or make the code batch-generic "
+            f"(x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather than repeat(n, ...)).")
+        return "\n".join(lines)
     lines.append(
         "What to try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), "
         "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "

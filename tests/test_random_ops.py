@@ -1,4 +1,4 @@
-"""The one list of random ops the partitioner and the runtime share."""
+"""autopipe/random_ops.py: the one list of random ops, and versions of them that draw from a generator."""
 import operator
 
 import pytest
@@ -6,13 +6,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopipe.random_ops import is_random_module, is_random_target
+from autopipe import random_ops
+from autopipe.random_ops import UnroutedRandomOp, is_random_module, is_random_target, module_draws
+
+aten = torch.ops.aten
 
 
 @pytest.mark.parametrize("target", [
     F.dropout, F.dropout2d, F.alpha_dropout, torch.dropout, torch.ops.aten.native_dropout.default,
     torch.randn, torch.rand_like, torch.randint, torch.bernoulli, "bernoulli_", "uniform_", "normal_",
-    F.rrelu, F.scaled_dot_product_attention,
+    F.rrelu, F.scaled_dot_product_attention, aten.lstm.input, aten.randperm, F.gumbel_softmax,
 ])
 def test_random_targets(target):
     assert is_random_target(target)
@@ -33,3 +36,112 @@ def test_random_modules():
         def forward(self, x):
             return x
     assert is_random_module(Opaque())
+
+
+def test_module_draws_follows_mode_and_probability():
+    block = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.1)
+    assert module_draws(block.train()) and not module_draws(block.eval())
+    assert not module_draws(nn.Dropout(0.0).train())
+    assert not module_draws(nn.LSTM(4, 4, num_layers=1, dropout=0.0).train())
+    assert module_draws(nn.LSTM(4, 4, num_layers=2, dropout=0.5).train())
+
+
+x = torch.randn(4, 6, 5, 3)
+SAME_AS_TORCH = {  # (torch's own op drawing from the default generator, ours drawing from ``g``)
+    "dropout": (lambda: F.dropout(x, 0.3), lambda g: random_ops.dropout(x, 0.3, generator=g)),
+    "dropout-inplace": (lambda: F.dropout(x.clone(), 0.3, inplace=True),
+                        lambda g: random_ops.dropout(x.clone(), 0.3, inplace=True, generator=g)),
+    "dropout1d-unbatched": (lambda: F.dropout1d(x[0], 0.3), lambda g: random_ops.dropout1d(x[0], 0.3, generator=g)),
+    "dropout2d": (lambda: F.dropout2d(x, 0.3), lambda g: random_ops.dropout2d(x, 0.3, generator=g)),
+    "dropout3d-unbatched": (lambda: F.dropout3d(x, 0.3), lambda g: random_ops.dropout3d(x, 0.3, generator=g)),
+    "feature_dropout": (lambda: torch.feature_dropout(x, 0.3, True),
+                        lambda g: random_ops.feature_dropout(x, 0.3, True, generator=g)),
+    "alpha_dropout": (lambda: F.alpha_dropout(x, 0.3, True),
+                      lambda g: random_ops.alpha_dropout(x, 0.3, True, generator=g)),
+    "feature_alpha_dropout": (lambda: F.feature_alpha_dropout(x, 0.3, True),
+                              lambda g: random_ops.feature_alpha_dropout(x, 0.3, True, generator=g)),
+    "native_dropout": (lambda: aten.native_dropout(x, 0.3, True),
+                       lambda g: random_ops.native_dropout(x, 0.3, True, generator=g)),
+    "rrelu": (lambda: F.rrelu(x, training=True), lambda g: random_ops.rrelu(x, training=True, generator=g)),
+    "rand_like": (lambda: torch.rand_like(x), lambda g: random_ops.rand_like(x, generator=g)),
+    "randn_like": (lambda: torch.randn_like(x, dtype=torch.float64),
+                   lambda g: random_ops.randn_like(x, dtype=torch.float64, generator=g)),
+    "randint_like": (lambda: torch.randint_like(x, 9), lambda g: random_ops.randint_like(x, 9, generator=g)),
+    "randint_like-low": (lambda: torch.randint_like(x, 3, 9), lambda g: random_ops.randint_like(x, 3, 9, generator=g)),
+}
+
+
+@pytest.mark.parametrize("name", list(SAME_AS_TORCH))
+def test_draws_what_torch_draws_from_a_generator_in_that_state(name):
+    theirs, ours = SAME_AS_TORCH[name]
+    torch.manual_seed(3)
+    want = theirs()
+    got = ours(torch.Generator().manual_seed(3))
+    for a, b in zip(*(w if isinstance(w, tuple) else (w,) for w in (want, got))):
+        assert torch.equal(a, b)
+
+
+def test_attention_dropout_matches_torch_and_masks_like_it():
+    q = torch.randn(2, 2, 5, 4)
+    torch.manual_seed(0)
+    want = F.scaled_dot_product_attention(q, q, q, dropout_p=0.4, is_causal=True)
+    got = random_ops.scaled_dot_product_attention(q, q, q, dropout_p=0.4, is_causal=True,
+                                                  generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got, want)
+    mask = torch.zeros(5, 5, dtype=torch.bool)  # every key masked: torch gives 0, not NaN
+    torch.testing.assert_close(random_ops.scaled_dot_product_attention(q, q, q, mask),
+                               F.scaled_dot_product_attention(q, q, q, mask))
+
+
+def test_eval_and_zero_probability_return_the_input():
+    assert random_ops.dropout(x, 0.5, training=False) is x
+    assert random_ops.dropout(x, 0.0) is x
+    assert torch.equal(random_ops.dropout(x, 1.0), torch.zeros_like(x))
+
+
+class UserBlock(nn.Module):
+    """Draws in several ways, some inside torch's own Python (gumbel_softmax, MultiheadAttention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True)
+        self.lstm = nn.LSTM(4, 4, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, h):
+        a = self.attn(h, h, h)[0] + self.attn(h, h, h, need_weights=False)[0]
+        a = a + self.lstm(h)[0] + F.gumbel_softmax(h, tau=0.5) + torch.rand_like(h)
+        q = h[:, None]
+        return a + F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)[:, 0] + F.rrelu(h, training=True)
+
+
+def test_call_with_generator_routes_everything_the_code_draws():
+    torch.manual_seed(0)
+    block, h = UserBlock().train(), torch.randn(2, 5, 4)
+    torch.manual_seed(9)
+    first = random_ops.call_with_generator(block, torch.Generator().manual_seed(1), h)
+    marker = torch.rand(3)
+    again = random_ops.call_with_generator(block, torch.Generator().manual_seed(1), h)
+    other = random_ops.call_with_generator(block, torch.Generator().manual_seed(2), h)
+    torch.manual_seed(9)
+    assert torch.equal(torch.rand(3), marker), "a random op drew from the global generator"
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_call_with_generator_refuses_a_kernel_it_cannot_route():
+    def fused(q):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.5)[0]
+
+    with pytest.raises(UnroutedRandomOp, match="_scaled_dot_product_flash_attention_for_cpu"):
+        random_ops.call_with_generator(fused, torch.Generator(), torch.randn(1, 1, 3, 2))
+    # with no dropout it draws nothing, and runs
+    random_ops.call_with_generator(lambda q: aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0),
+                                   torch.Generator(), torch.randn(1, 1, 3, 2))
+
+
+def test_aten_routes():
+    assert random_ops.aten_route(aten.dropout.default) == ("function", random_ops.dropout)
+    assert random_ops.aten_route(aten.bernoulli.p) == ("kwarg", aten.bernoulli.p)
+    assert random_ops.aten_route(aten.rand.default) == ("kwarg", aten.rand.generator)
+    assert random_ops.aten_route(aten.randint.low) == ("kwarg", aten.randint.low_generator)
+    assert random_ops.aten_route(aten.lstm.input) == ("wrap", aten.lstm.input)
+    assert random_ops.aten_route(aten._scaled_dot_product_flash_attention_for_cpu.default) == ("unrouted", None)

@@ -2,7 +2,7 @@
 
 Every rank traces and plans the same model with the same inputs, so every
 rank holds the same Plan (checked once by the transport with a hash of the
-PipeSpec); shapes come from the plan, so a step exchanges payload only. The
+wire spec, runtime/wire.py); shapes come from the plan, so a step exchanges payload only. The
 transport is autopipe.runtime.p2p (point-to-point sends of each cross-cut
 tensor straight to the rank that reads it; see notes/distributed.md for why
 not torch.distributed.pipelining: it neither sums gradients of tied weights
@@ -26,10 +26,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .batchnorm import DeferredBatchNorm, DeferredStatistics
-from .checkpoint import TaskRandomness, checkpoints, generator_for, task_seed
-from .p2p import Edge, P2PGPipe, PipelineError, PipeSpec
-from .pipeline import _running_buffers, _uses_rng
+from . import microbatch
+from .executor import Loss, run_tasks
+from .p2p import P2PTransport, PipelineError
+from .pipeline import model_loss
+from .schedule import Schedule
+from .task import StageRunner, StepState
+from .wire import WireSpec
 
 __all__ = ["DistributedPipeline", "PipelineError", "running_under_torchrun"]
 
@@ -52,86 +55,12 @@ def _refuse_cuda(named_values) -> None:
                 f"meta), or use one process with autopipe.compile(model, devices=[...cuda devices...]).")
 
 
-def _pass_through(name: str) -> str:
-    return f"{name}__to_loss"
-
-
-class _StageRunner:
-    """What the transport calls per micro-batch: the stage with checkpointing, the task's own
-    random stream (the same seeds as in-process), deferred BatchNorm, Python values as tensors."""
-
-    def __init__(self, pipe: "DistributedPipeline", stage, spec_inputs, spec_outputs, sizes_out: dict):
-        self.pipe = pipe
-        self.stage = stage
-        self.inputs = spec_inputs           # names the transport passes, in order
-        self.outputs = spec_outputs         # names it expects back, in order
-        self.python_values = sizes_out      # name -> "int" | "size": values sent as int64 tensors
-        self.micro_batch = 0
-        self.calls: dict[int, int] = {}
-        self.generator = generator_for(stage.device)
-        self.running = _running_buffers(stage)
-
-    def start_step(self) -> None:
-        self.micro_batch = 0
-        self.calls.clear()
-
-    def __call__(self, *args):
-        i = self.micro_batch
-        self.micro_batch += 1
-        named = dict(zip(self.inputs, args))
-        stage_args = [self._from_wire(n, named[n]) for n in self.stage.input_names]
-        pipe = self.pipe
-        if pipe.training and checkpoints(pipe.checkpoint, i, pipe.chunks):
-            import torch.utils.checkpoint as cp
-            outputs = cp.checkpoint(self._run, i, *stage_args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            outputs = self._run(i, *stage_args)
-        produced = dict(zip(self.stage.output_names, outputs))
-        result = []
-        for name in self.outputs:
-            if name in produced:
-                result.append(self._to_wire(name, produced[name]))
-            else:  # an earlier stage's model output passing through to the loss
-                result.append(named[name.removesuffix("__to_loss")])
-        return tuple(result)
-
-    def _run(self, i: int, *stage_args):
-        first = self.calls.get(i, 0) == 0
-        self.calls[i] = self.calls.get(i, 0) + 1
-        pipe = self.pipe
-        snapshot = [] if first else [(b, b.clone()) for b in self.running]  # recompute: stats move once
-        with contextlib.ExitStack() as modes:
-            if pipe.model.training and pipe.uses_rng:
-                self.generator.manual_seed(task_seed(pipe.step_seed, pipe.stage_index, i))
-                modes.enter_context(TaskRandomness(self.generator))
-            if pipe.deferred is not None and self.running:
-                modes.enter_context(DeferredBatchNorm(pipe.deferred, accumulate=first))
-            outputs = self.stage(*stage_args)
-        with torch.no_grad():
-            for buffer, before in snapshot:
-                buffer.copy_(before)
-        return outputs
-
-    def _to_wire(self, name, value):
-        kind = self.python_values.get(name)
-        if kind is None:
-            return value
-        return torch.tensor(value if kind == "int" else list(value), dtype=torch.int64)
-
-    def _from_wire(self, name, value):
-        kind = self.python_values.get(name)
-        if kind is None:
-            return value
-        return int(value.item()) if kind == "int" else torch.Size(value.tolist())
-
-
 class DistributedPipeline(torch.nn.Module):
     """This rank's stage of a pipeline compiled under torchrun. ``pipe.step(...)`` runs a step."""
 
-    def __init__(self, model: torch.nn.Module, chunks: int, checkpoint: str,
-                 plan_fn: Callable[[Sequence[Any], dict[str, Any], list[torch.device]], Any],
-                 codegen_fn: Callable, data_parallel: int = 1, timeout: float = 300.0,
-                 deferred_batch_norm: bool = False, materialize_seed: int = 0):
+    def __init__(self, model: torch.nn.Module, options: Any, checkpoint: str, run_passes: Callable,
+                 data_parallel: int = 1, timeout: float = 300.0, deferred_batch_norm: bool = False,
+                 materialize_seed: int = 0, schedule: str = "gpipe"):
         super().__init__()
         object.__setattr__(self, "model", model)
         _refuse_cuda((f"model tensor {n!r}", p) for n, p in itertools.chain(model.named_parameters(), model.named_buffers()))
@@ -144,17 +73,16 @@ class DistributedPipeline(torch.nn.Module):
         self.n_stages = self.world // data_parallel
         self.data_parallel = data_parallel
         self.replica, self.stage_index = divmod(self.rank, self.n_stages)
-        self.chunks = chunks
+        self.options = options
+        self.chunks = options.chunks
         self.checkpoint = checkpoint
+        self.schedule_name = schedule
         self.timeout = timeout
         self.deferred_batch_norm = deferred_batch_norm
         self.materialize_seed = materialize_seed
-        self._plan_fn = plan_fn
-        self._codegen_fn = codegen_fn
+        self._run_passes = run_passes
         self.device = torch.device("cpu")
         self._built = None
-        self.step_seed = 0
-        self.deferred = None
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.pipeline_groups = [dist.new_group(list(range(p * self.n_stages, (p + 1) * self.n_stages)))
                                 for p in range(data_parallel)]
@@ -221,76 +149,19 @@ class DistributedPipeline(torch.nn.Module):
     def build(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         import torch.utils._pytree as pytree
         _refuse_cuda((f"input {i}", t) for i, t in enumerate(pytree.tree_leaves((args, kwargs))))
-        devices = [self.device] * self.n_stages
-        traced, plan = self._plan_fn(args, kwargs, devices)
-        self._materialize(plan)
-        stages = self._codegen_fn(traced.graph_module, plan)
-        stage = stages[self.stage_index]
-        spec, python_values = self._spec(traced, plan)
-        runner = _StageRunner(self, stage, spec.stage_inputs[self.stage_index],
-                              spec.stage_outputs[self.stage_index], python_values)
-        transport = P2PGPipe(runner, spec, group=self.pipeline_groups[self.replica], timeout=self.timeout,
-                             name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
-        shared_groups = self._shared_groups(plan)
-        self.uses_rng = _uses_rng(stage)
-        self._built = {"traced": traced, "plan": plan, "stage": stage, "spec": spec, "runner": runner,
-                       "transport": transport, "shared": shared_groups}
-
-    def _spec(self, traced, plan) -> tuple[PipeSpec, dict[str, str]]:
-        K = self.n_stages
-        batch = traced.batch_size
-        edges, python_values = [], {}
-        inputs = [list(s.inputs) for s in plan.stages]
-        outputs = [[n for n in s.outputs if plan.tensors[n].consumers] for s in plan.stages]
-        finals = []
-        for name in plan.graph_outputs:
-            info = plan.tensors[name]
-            if info.producer == K - 1:
-                finals.append(name)
-                if name not in outputs[K - 1]:
-                    outputs[K - 1].append(name)
-            else:  # sent to the last rank, which hands it to the loss
-                finals.append(_pass_through(name))
-        for name, info in plan.tensors.items():
-            if info.producer < 0:
-                continue
-            dsts = set(info.consumers) - {info.producer}
-            if info.is_output and info.producer != K - 1:
-                dsts.add(K - 1)
-            if not dsts:
-                continue
-            shape, dtype, batch_dim, kind = self._wire_format(traced, name, info, batch)
-            if kind:
-                python_values[name] = kind
-            edges.append(Edge(name, src=info.producer, dsts=tuple(sorted(dsts)), shape=shape, dtype=dtype,
-                              batch_dim=batch_dim, requires_grad=(dtype.is_floating_point and not kind)))
-            for d in dsts:
-                if name not in inputs[d]:
-                    inputs[d].append(name)
-            if name not in outputs[info.producer]:
-                outputs[info.producer].append(name)
-        for name in finals:
-            if name.endswith("__to_loss"):
-                outputs[K - 1].append(name)
-        # the last stage returns: its edges (none go further), then the finals in model-output order
-        outputs[K - 1] = [n for n in outputs[K - 1] if n not in finals] + finals
-        spec = PipeSpec(edges=edges, stage_inputs=inputs, stage_outputs=outputs, batch_size=batch,
-                        chunks=min(self.chunks, batch))
-        return spec, python_values
-
-    @staticmethod
-    def _wire_format(traced, name, info, batch):
-        node = next(n for n in traced.graph_module.graph.nodes if n.name == name)
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            shape = tuple(int(d) for d in val.shape)
-            return shape, val.dtype, 0 if shape and shape[0] == batch else None, None
-        if isinstance(val, (int, torch.SymInt)):
-            return (), torch.int64, None, "int"
-        if isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
-            return (len(val),), torch.int64, None, "size"
-        raise TypeError(f"{name!r} crosses a cut on rank boundaries but is a {type(val).__name__}; "
-                        f"only tensors, ints and sizes can travel between ranks")
+        if len(self.options.devices) != self.n_stages:
+            raise ValueError(f"the options plan {len(self.options.devices)} stages for {self.n_stages} ranks")
+        compiled = self._run_passes(self.model, args, kwargs, self.options, before_codegen=self._materialize)
+        if len(compiled.programs) > 1:
+            raise NotImplementedError("this model specialises on the batch size and the batch does not divide into "
+                                      "equal micro-batches; under torchrun use a batch divisible by chunks")
+        program = compiled.main
+        plan = program.plan
+        stage = program.stages[self.stage_index]
+        transport = P2PTransport(WireSpec.from_plan(program.plan), stage, group=self.pipeline_groups[self.replica],
+                                 timeout=self.timeout, name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
+        self._built = {"traced": program.traced, "plan": program.plan, "stage": stage,
+                       "runner": StageRunner(stage), "transport": transport, "shared": self._shared_groups(plan)}
 
     def _materialize(self, plan) -> None:
         """A model built on meta: create and initialise only this rank's parameters and buffers.
@@ -344,7 +215,7 @@ class DistributedPipeline(torch.nn.Module):
 
     # -- running --------------------------------------------------------------------
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs):
-        """Forward and backward of all micro-batches in GPipe order on every rank.
+        """Forward and backward of all micro-batches in schedule order on every rank.
 
         Call it with the same arguments on every rank (each stage reads only the inputs its
         nodes use). Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
@@ -353,41 +224,34 @@ class DistributedPipeline(torch.nn.Module):
         built = self._built
         traced, transport, runner = built["traced"], built["transport"], built["runner"]
         flat = traced.flat_inputs(args, kwargs)
-        named = dict(zip(traced.input_names, flat))
-        spec = built["spec"]
-        local = {n: named[n] for n in spec.locals(self.stage_index)}
-        self.step_seed = int(torch.randint(0, 2**62, ()).item()) if self.model.training else 0
-        self.deferred = DeferredStatistics(self.model) if self.deferred_batch_norm and self.model.training else None
-        runner.start_step()
-        is_last = self.stage_index == self.n_stages - 1
-        wire_loss = None
-        if is_last:
-            wire_loss = self._loss(traced, spec, loss_fn)
-            if target is None:
-                target = torch.zeros(traced.batch_size)  # the model computes its own loss
-        loss = transport.step(local, target=target if is_last else None, loss_fn=wire_loss)
-        if self.deferred is not None:
-            self.deferred.commit()
+        sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.chunks)
+        rows = microbatch.split(flat, traced.input_names, sizes)
+        local = [dict(zip(traced.input_names, row)) for row in rows]
+        state = StepState.start(training=True, random=self.model.training, checkpoint=self.checkpoint,
+                                chunks=len(sizes), n_stages=self.n_stages,
+                                deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False)
+        schedule = Schedule.build(self.schedule_name, self.n_stages, len(sizes))
+        loss = None
+        if self.stage_index == self.n_stages - 1:
+            loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output,
+                        targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes],
+                        last_stage=self.stage_index)
+
+        def run():
+            runner.start_step()
+            transport.start_step(local, sizes)
+            run_tasks(schedule.stage_order(self.stage_index), lambda task: runner, transport, state, loss)
+            transport.finish_step()
+
+        transport.run(run)
+        if state.deferred is not None:
+            state.deferred.commit()
+        with torch.no_grad():
+            for p, g in zip(runner.params, runner.param_grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
         self._reduce_gradients()
-        return loss if is_last else None
-
-    def _loss(self, traced, spec, loss_fn):
-        n_finals = len(spec.finals())
-
-        def loss(*values):
-            finals, target = values[:n_finals], values[n_finals:]
-            output = traced.rebuild_output(list(finals))
-            if loss_fn is not None:
-                return loss_fn(output, target[0] if len(target) == 1 else target)
-            value = getattr(output, "loss", None)
-            if value is None and isinstance(output, dict):
-                value = output.get("loss")
-            if value is None:
-                value = output if isinstance(output, torch.Tensor) else None
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                raise TypeError("pipe.step needs a scalar loss: pass loss_fn=..., or return a loss from the model")
-            return value
-        return loss
+        return loss.total if loss is not None else None
 
     def _reduce_gradients(self) -> None:
         stage = self._built["stage"]

@@ -32,7 +32,12 @@ class StageMemory:
 class MemoryReport:
     stages: list[StageMemory]
     checkpoint: str
+    tracked: bool = True   # False: no step ran with compile(..., track_memory=True)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def empty(cls, n_stages: int, checkpoint: str) -> "MemoryReport":
+        return cls([StageMemory() for _ in range(n_stages)], checkpoint, tracked=False)
 
     def add_kept(self, stage: int, nbytes: int) -> None:
         with self._lock:
@@ -43,6 +48,9 @@ class MemoryReport:
             self.stages[stage].recompute_peak = max(self.stages[stage].recompute_peak, nbytes)
 
     def __str__(self) -> str:
+        if not self.tracked:
+            return ("Memory: not measured. Compile with track_memory=True to count the bytes each stage keeps "
+                    "between forward and backward (it hooks every tensor autograd saves).")
         rows = [[j, _mib(s.kept), _mib(s.recompute_peak), _mib(s.peak), "-" if s.cuda_peak is None else _mib(s.cuda_peak)]
                 for j, s in enumerate(self.stages)]
         return (f"Memory of the last step (checkpoint={self.checkpoint!r}; saved activations, parameters excluded):\n"

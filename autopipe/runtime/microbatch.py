@@ -2,8 +2,9 @@
 
 The trace pass already flattened the call's (nested) args and kwargs into
 tensor leaves; non-tensor arguments were baked into the graph, so they reach
-every micro-batch. torch.tensor_split gives sizes that differ by at most one,
-so a batch that does not divide by ``chunks`` works.
+every micro-batch. Micro-batch sizes differ by at most one,
+so a batch that does not divide by ``chunks`` works (``micro_batch_sizes``:
+the first ``batch % chunks`` micro-batches are one row larger).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import warnings
 from typing import Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 
 class BatchMismatch(ValueError):
@@ -73,3 +75,13 @@ def split_grad(grad: torch.Tensor | None, like: torch.Tensor, sizes: list[int]) 
         total = sum(sizes)
         return [grad * (s / total) for s in sizes]
     return list(torch.split(grad, sizes))
+
+
+def split_target(target, sizes: list[int]) -> list:
+    """A loss target per micro-batch: tensors (also inside tuples, lists, dicts) cut on dim 0
+    like the inputs; anything else goes to every micro-batch."""
+    batch = sum(sizes)
+    leaves, spec = pytree.tree_flatten(target)
+    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch
+               else [t] * len(sizes) for t in leaves]
+    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(len(sizes))]

@@ -1,72 +1,41 @@
-"""A minimal GPipe transport over torch.distributed point-to-point (prototype).
+"""The torch.distributed transport: point-to-point sends of each cross-cut value to the rank that reads it.
 
-Standalone on purpose (imports nothing else from autopipe): one process per
-stage, one stage per rank. Everything the transport needs is static and known
-on every rank in advance -- which tensors cross which cut, their per-micro-batch
-shapes and dtypes -- so a step exchanges payload only: no shape handshakes, no
-metadata messages.
+One stage per rank. At the start of a step every receive of the step is posted
+(activations and gradients, all micro-batches), so data lands while the rank
+computes; each output is sent with a non-blocking send as soon as it exists;
+the executor (runtime/executor.py) decides the order of the work from the
+Schedule. Tags are unique per (edge, micro-batch, direction), which gloo
+matches on. (NCCL ignores tags and matches per peer pair in order: a NCCL
+transport must post in the peer's send order; not built, see README.)
 
-    spec = PipeSpec(
-        edges=[Edge("h", src=0, dsts=(1,), shape=(32, 512)),
-               Edge("skip", src=0, dsts=(2,), shape=(32, 512))],   # skips rank 1
-        stage_inputs=[("x",), ("h",), ("h2", "skip")],
-        stage_outputs=[("h", "skip"), ("h2",), ("out",)],
-        batch_size=1024, chunks=32)
-    pipe = P2PGPipe(my_stage_module, spec)          # after init_process_group
-    loss = pipe.step({"x": x} if rank == 0 else None,
-                     target=y, loss_fn=F.mse_loss)  # loss on the last rank, else None
+Failures (measured on gloo, torch 2.13; notes/distributed.md):
 
-Schedule (GPipe): every rank posts all of the step's receives (activations and
-gradients, all micro-batches) up front, so data lands while the rank computes;
-then forward of micro-batches 0..M-1, each output sent with a non-blocking send
-as soon as it exists; then backward in reverse order M-1..0, gradients of the
-received inputs sent back the same way. The last rank computes
-``loss_fn(*outputs_i, target_i) * size_i / batch_size`` per micro-batch; the
-gradients accumulate into the stage's parameters (``.grad``), so after a step
-they equal the unpipelined model's for the whole batch.
-
-Failures (measured on gloo, torch 2.13; see notes/distributed.md):
-
-* A rank whose stage, loss or communication raises writes
-  ``"<who failed, where, the exception>"`` to the store key ``failed``
-  (compare-and-set: the first failure wins, later ones are consequences), wakes
-  every rank's watchdog through the store, then *poisons* its own gloo
-  context: a receive that times out after 1 ms makes gloo close every pair of
-  that context (``Application timeout caused pair closure``). Each peer blocked
-  on that rank fails at once with ``Connection closed by peer``, and the
-  watchdog thread of every other rank poisons its own context when it sees
-  the key, so ranks blocked on anyone else fail as well. Each rank raises
-  :class:`PipelineError` with the first failure's message (which names the
-  rank). Detection takes milliseconds for a waiting rank; a rank busy
-  computing notices at its next send/receive.
+* A rank whose stage, loss or communication raises writes "<who failed,
+  where, the exception>" to the store key ``failed`` (compare-and-set: the
+  first failure wins), wakes every rank's watchdog through the store, then
+  *poisons* its own gloo context: a receive that times out after 1 ms makes
+  gloo close every pair of that context. Each peer blocked on that rank fails
+  at once with "Connection closed by peer", and the watchdog of every other
+  rank poisons its own context when it sees the key. Every rank raises
+  :class:`PipelineError` with the first failure's message (naming the rank).
 * A rank killed with SIGKILL writes nothing, but the kernel closes its
-  sockets: the ranks talking to it fail with ``Connection closed by peer`` and
-  report "rank k lost" in its place. If it hosted the TCPStore (rank 0 under
-  ``init_method="tcp://..."`` and torchrun's static rendezvous), the
-  watchdogs lose the store and poison too.
-* A rank that hangs (deadlock, endless loop) without dying is caught only by
-  ``timeout``: every wait is bounded by it, and gloo's own timeout handling
-  poisons the context when it fires, so the hang turns into errors everywhere.
-* Each step ends with a barrier (``confirm=True``): a step returns on a rank
-  only if it completed on every rank.
-
-After a failure the process group is unusable (its pairs are closed): destroy
-it and start over, as torchrun's elastic restart does.
+  sockets: its peers fail with "Connection closed by peer" and report it lost.
+* A rank that hangs is caught only by ``timeout``: every wait is bounded by it.
+* Each step ends with a barrier: a step returns on a rank only if it completed
+  on every rank. After a failure the process group is unusable: exit, as
+  torchrun's elastic restart expects.
 """
-
 from __future__ import annotations
 
-import hashlib
 import threading
-import time
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Edge", "PipeSpec", "P2PGPipe", "PipelineError", "split_sizes"]
+from .executor import Transport
+from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
 
@@ -75,299 +44,173 @@ class PipelineError(RuntimeError):
     """A pipeline step failed on some rank; the message names the rank that failed first."""
 
 
-def split_sizes(batch_size: int, chunks: int) -> list[int]:
-    """Micro-batch sizes, as ``torch.tensor_split`` makes them (first ones one larger)."""
-    q, r = divmod(batch_size, chunks)
-    return [q + (i < r) for i in range(chunks)]
-
-
-@dataclass(frozen=True)
-class Edge:
-    """One tensor that crosses from rank ``src`` to each rank in ``dsts``, once per micro-batch.
-
-    ``shape`` is the tensor's shape for one micro-batch; its ``batch_dim`` entry
-    is replaced by each micro-batch's size (so uneven splits work). Use
-    ``batch_dim=None`` for a tensor whose shape is the same for every
-    micro-batch. Gradients flow back along the edge iff ``requires_grad``
-    (default: the dtype is floating point or complex); a receiver whose input
-    got no gradient sends zeros, so the message pattern never depends on data.
-    """
-
-    name: str
-    src: int
-    dsts: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
-    batch_dim: int | None = 0
-    requires_grad: bool | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dsts", tuple(int(d) for d in self.dsts))
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-
-    @property
-    def grad(self) -> bool:
-        if self.requires_grad is not None:
-            return self.requires_grad
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-    def mb_shape(self, size: int) -> tuple[int, ...]:
-        if self.batch_dim is None:
-            return self.shape
-        s = list(self.shape)
-        s[self.batch_dim] = size
-        return tuple(s)
-
-
-@dataclass(frozen=True)
-class PipeSpec:
-    """The static description of the whole pipeline, identical on every rank.
-
-    ``stage_inputs[r]`` names the positional arguments of rank ``r``'s stage:
-    each is an edge received from an earlier rank or a *local* input, i.e. a
-    whole-batch tensor the caller passes to ``step`` on that rank and the
-    transport splits into micro-batches along dim 0 (graph inputs go straight
-    to the stages that use them). ``stage_outputs[r]`` names the tensors the
-    stage returns, in order: edges with ``src == r`` or, on the last rank only,
-    the final outputs handed to ``loss_fn(*finals, target)``.
-    """
-
-    edges: tuple[Edge, ...]
-    stage_inputs: tuple[tuple[str, ...], ...]
-    stage_outputs: tuple[tuple[str, ...], ...]
-    batch_size: int
-    chunks: int
-    sizes: tuple[int, ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "edges", tuple(self.edges))
-        object.__setattr__(self, "stage_inputs", tuple(tuple(x) for x in self.stage_inputs))
-        object.__setattr__(self, "stage_outputs", tuple(tuple(x) for x in self.stage_outputs))
-        if not 1 <= self.chunks <= self.batch_size:
-            raise ValueError(
-                f"chunks={self.chunks} must be between 1 and batch_size={self.batch_size}"
-            )
-        object.__setattr__(self, "sizes", tuple(split_sizes(self.batch_size, self.chunks)))
-        self._validate()
-
-    @property
-    def world(self) -> int:
-        return len(self.stage_inputs)
-
-    def edge(self, name: str) -> Edge:
-        return self._by_name()[name]
-
-    def _by_name(self) -> dict[str, Edge]:
-        return {e.name: e for e in self.edges}
-
-    def finals(self) -> tuple[str, ...]:
-        return tuple(n for n in self.stage_outputs[-1] if n not in self._by_name())
-
-    def locals(self, rank: int) -> tuple[str, ...]:
-        return tuple(n for n in self.stage_inputs[rank] if n not in self._by_name())
-
-    def _validate(self) -> None:
-        n = self.world
-        if len(self.stage_outputs) != n:
-            raise ValueError(
-                f"stage_inputs has {n} ranks but stage_outputs has {len(self.stage_outputs)}"
-            )
-        names = [e.name for e in self.edges]
-        dup = {x for x in names if names.count(x) > 1}
-        if dup:
-            raise ValueError(f"edge names must be unique; repeated: {sorted(dup)}")
-        for e in self.edges:
-            if not 0 <= e.src < n or not e.dsts:
-                raise ValueError(f"edge {e.name!r}: bad src {e.src} or empty dsts")
-            for d in e.dsts:
-                if not e.src < d < n:
-                    raise ValueError(
-                        f"edge {e.name!r}: destination rank {d} must come after source "
-                        f"rank {e.src} (and be < {n})"
-                    )
-                if e.name not in self.stage_inputs[d]:
-                    raise ValueError(f"edge {e.name!r} goes to rank {d}, whose stage_inputs lack it")
-            if len(set(e.dsts)) != len(e.dsts):
-                raise ValueError(f"edge {e.name!r}: repeated destination in {e.dsts}")
-            if e.name not in self.stage_outputs[e.src]:
-                raise ValueError(
-                    f"edge {e.name!r} comes from rank {e.src}, whose stage_outputs lack it"
-                )
-            if e.batch_dim is not None and not 0 <= e.batch_dim < len(e.shape):
-                raise ValueError(f"edge {e.name!r}: batch_dim {e.batch_dim} out of range for {e.shape}")
-        by = self._by_name()
-        for r in range(n):
-            for x in self.stage_inputs[r]:
-                if x in by and r not in by[x].dsts:
-                    raise ValueError(f"rank {r} takes {x!r} but the edge does not go to rank {r}")
-            for y in self.stage_outputs[r]:
-                if y in by:
-                    if by[y].src != r:
-                        raise ValueError(f"rank {r} returns {y!r} but the edge comes from rank {by[y].src}")
-                elif r != n - 1:
-                    raise ValueError(
-                        f"rank {r} returns {y!r}, which is no edge; only the last rank has final outputs"
-                    )
-        if not self.finals():
-            raise ValueError("the last rank returns no final output for the loss")
-
-    def digest(self) -> str:
-        """A short hash of the spec, compared across ranks once at start-up."""
-        return hashlib.sha1(repr((self.edges, self.stage_inputs, self.stage_outputs, self.sizes)).encode()).hexdigest()[:16]
-
-
 class _CommError(RuntimeError):
     def __init__(self, what: str, peer: int, err: BaseException) -> None:
         super().__init__(f"{what}: {err}")
         self.what, self.peer, self.err = what, peer, err
 
 
-class P2PGPipe:
-    """Runs this rank's stage of a GPipe pipeline over point-to-point messages.
+class P2PTransport(Transport):
+    """This rank's end of the pipeline's messages (see module docstring)."""
 
-    Args:
-        stage: ``stage(*inputs) -> tuple[Tensor, ...]`` (a single Tensor is
-            accepted too), inputs and outputs ordered as in ``spec``. Usually an
-            ``nn.Module`` holding only this rank's parameters.
-        spec: the :class:`PipeSpec`, identical on every rank (checked once).
-        group: the process group (default: the world); spec ranks are ranks
-            in this group.
-        store: a ``torch.distributed.Store`` shared by the ranks, for failure
-            reports (default: the default group's store).
-        timeout: seconds any single send/receive may wait; the bound on
-            detecting a rank that hangs without dying. Must exceed the
-            longest stretch a rank waits for its peers legitimately (about a
-            whole step in the worst case).
-        ops: ``"pg"`` (ProcessGroup.send/recv directly, default), ``"isend"``
-            (dist.isend/irecv) or ``"batch"`` (dist.batch_isend_irecv with
-            P2POp lists). On gloo all three issue the same messages (gloo has
-            no coalescing; batch_isend_irecv loops over isend/irecv); they
-            differ only in Python overhead.
-        loss_fn: default loss function for :meth:`step`.
-        watchdog: start the thread that turns other ranks' failure reports into
-            an error here while this rank is blocked in a wait.
-        confirm: end each step with a barrier, so that a step returns on a
-            rank only if it completed on every rank (a failure anywhere fails
-            the step everywhere). Without it, a rank whose part was done
-            before another rank failed returns normally and learns of the
-            failure at its next step.
-        name: prefix of this pipeline's store keys (distinct per pipeline).
-    """
-
-    def __init__(
-        self,
-        stage: Callable[..., Any],
-        spec: PipeSpec,
-        *,
-        group: dist.ProcessGroup | None = None,
-        store: dist.Store | None = None,
-        timeout: float = 300.0,
-        ops: str = "pg",
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        watchdog: bool = True,
-        confirm: bool = True,
-        name: str = "autopipe_p2p",
-    ) -> None:
-        if ops not in ("pg", "isend", "batch"):
-            raise ValueError(f"ops must be 'pg', 'isend' or 'batch', not {ops!r}")
-        self.stage, self.spec, self.ops, self.loss_fn = stage, spec, ops, loss_fn
-        self.confirm = confirm
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        world = dist.get_world_size(self.group)
-        if world != spec.world:
-            raise ValueError(f"spec describes {spec.world} stages but the group has {world} ranks")
+    def __init__(self, spec: WireSpec, stage, *, group: dist.ProcessGroup, timeout: float, name: str) -> None:
+        self.spec, self.stage = spec, stage
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if self.world != spec.n_stages:
+            raise ValueError(f"the plan has {spec.n_stages} stages but the group has {self.world} ranks")
         self.timeout = timedelta(seconds=timeout)
-        self._global = [dist.get_global_rank(self.group, r) for r in range(world)]
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._tags = {e.name: k for k, e in enumerate(spec.edges)}
+        self._in = spec.into(self.rank)
+        self._out = spec.out_of(self.rank)
+        self._is_last = self.rank == self.world - 1
+        base = dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(name, base)
-        self._failed: str | None = None  # set once this pipeline is dead
-        self._remote: str | None = None  # set by the watchdog: another rank's report
-        # Extra store clients (own TCP connections): one the watchdog blocks
-        # in, one with a short timeout for failure reports.
+        self._failed: str | None = None   # set once this pipeline is dead
+        self._remote: str | None = None   # set by the watchdog: another rank's report
+        # Own store clients (own TCP connections): one the watchdog blocks in, one with a short
+        # timeout for failure reports.
         self._wstore = self._store.clone()
         self._rstore = self._store.clone()
         self._rstore.set_timeout(timedelta(seconds=5))
-        self.last_stats: dict[str, float] = {}
-
-        r = self.rank
-        by = spec._by_name()
-        self._in_edges = [by[x] for x in spec.stage_inputs[r] if x in by]
-        self._out_edges = [by[y] for y in spec.stage_outputs[r] if y in by]
-        self._locals = spec.locals(r)
-        self._is_last = r == world - 1
-        self._finals = spec.finals() if self._is_last else ()
-        self._eidx = {e.name: i for i, e in enumerate(spec.edges)}
-        self._edge = by
-        self._bufs: dict[str, list[torch.Tensor]] | None = None
-        self._gbufs: dict[tuple[str, int], list[torch.Tensor]] | None = None
-        self._zeros: dict[tuple[str, int], torch.Tensor] = {}
-
-        # Clear a stale wake-up before the spec check, which no rank leaves
-        # before every rank has entered it: no failure report can be lost.
-        self._store.delete_key(f"wake/{r}")
+        # Clear a stale wake-up before the spec check, which no rank leaves before every rank has
+        # entered it: no failure report can be lost.
+        self._store.delete_key(f"wake/{self.rank}")
         self._check_spec()
         self._poisoned = False
         self._poison_lock = threading.Lock()
-        self._wd: threading.Thread | None = None
         self._wd_stop = threading.Event()
-        if watchdog and world > 1:
-            self._wd = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._wd = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True) if self.world > 1 else None
+        if self._wd is not None:
             self._wd.start()
 
-    # -- set-up ----------------------------------------------------------------
     def _check_spec(self) -> None:
-        """Once per pipeline: all ranks must hold the same spec (a wrong shape
-        would otherwise surface as a gloo size-mismatch error mid-step)."""
         mine = self.spec.digest()
         self._store.set(f"spec/{self.rank}", mine)
-        for q in range(self.spec.world):
+        for q in range(self.world):
             theirs = self._store.get(f"spec/{q}").decode()
             if theirs != mine:
-                raise ValueError(f"rank {self.rank}: rank {q} holds a different PipeSpec ({theirs} != {mine})")
+                raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
+                                 f"call compile and step with the same model and arguments on every rank")
 
-    def _alloc(self) -> None:
-        sz = self.spec.sizes
-        self._bufs = {
-            e.name: [torch.empty(e.mb_shape(s), dtype=e.dtype) for s in sz] for e in self._in_edges
-        }
-        self._gbufs = {
-            (e.name, d): [torch.empty(e.mb_shape(s), dtype=e.dtype) for s in sz]
-            for e in self._out_edges
-            if e.grad
-            for d in e.dsts
-        }
+    # -- one step --------------------------------------------------------------
+    def start_step(self, local: list[dict[str, Any]], sizes: Sequence[int]) -> None:
+        """Post every receive of the step; ``local[i]``: the graph inputs of micro-batch i by name."""
+        self.local, self.sizes = local, list(sizes)
+        self.outputs: list[dict[str, Any]] = [{} for _ in sizes]
+        self.final_grads: list[dict[str, Any]] = [{} for _ in sizes]
+        self.sends: list = []
+        self.received = [{e.name: e.empty(rows) for e in self._in} for rows in sizes]
+        self.grad_bufs = [{(e.name, d): e.empty(rows) for e in self._out if e.grad for d in e.dsts} for rows in sizes]
+        self.fwd_recv = [self._post([("recv", self.received[i][e.name], e.src, self._tag(e, i, False),
+                                      f"receive {e.name!r} mb {i} from rank {e.src}") for e in self._in])
+                         for i in range(len(sizes))]
+        self.bwd_recv = [self._post([("recv", buf, d, self._tag(self._edge(n), i, True),
+                                      f"receive grad of {n!r} mb {i} from rank {d}")
+                                     for (n, d), buf in self.grad_bufs[i].items()])
+                         for i in range(len(sizes))]
+
+    def _edge(self, name: str) -> Edge:
+        return next(e for e in self.spec.edges if e.name == name)
+
+    def _value(self, i: int, name: str) -> Any:
+        if name in self.local[i]:
+            return self.local[i][name]
+        if name in self.outputs[i]:
+            return self.outputs[i][name]
+        return self._edge(name).from_wire(self.received[i][name])
+
+    def _arrived(self, posted: list, i: int) -> None:
+        """Wait for micro-batch i's receives once (a gloo work must not be waited on twice)."""
+        self._wait(posted[i])
+        posted[i] = []
+
+    def inputs(self, stage: int, i: int):
+        self._arrived(self.fwd_recv, i)
+        names = self.stage.input_names
+        grads = {e.name: e.grad for e in self._in}
+        return [self._value(i, n) for n in names], [grads.get(n, False) for n in names]
+
+    def send_outputs(self, stage: int, i: int, outputs: list) -> None:
+        produced = dict(zip(self.stage.output_names, outputs))
+        self.outputs[i] = produced
+        ops = []
+        for e in self._out:
+            payload = e.to_wire(produced[e.name])
+            ops += [("send", payload, d, self._tag(e, i, False), f"send {e.name!r} mb {i} to rank {d}") for d in e.dsts]
+        self.sends += self._post(ops)
+
+    def finals(self, i: int) -> list:
+        self._arrived(self.fwd_recv, i)
+        return [self._value(i, n) for n in self.spec.graph_outputs]
+
+    def send_final_grads(self, i: int, grads: list) -> None:
+        self.final_grads[i] = dict(zip(self.spec.graph_outputs, grads))
+
+    def output_grads(self, stage: int, i: int) -> list:
+        self._arrived(self.bwd_recv, i)
+        grads = []
+        for name in self.stage.output_names:
+            total = self.final_grads[i].get(name)  # the loss's, on the last rank
+            for (n, d), buf in self.grad_bufs[i].items():  # then each reader's, in rank order
+                if n == name:
+                    total = buf if total is None else total + buf
+            grads.append(total)
+        return grads
+
+    def send_input_grads(self, stage: int, i: int, grads: list) -> None:
+        mine = dict(zip(self.stage.input_names, grads))
+        ops = []
+        for e in self._in:
+            if not e.grad:
+                continue
+            g = mine.get(e.name)
+            final = self.final_grads[i].get(e.name)  # a model output made earlier, read by the loss here
+            if final is not None:
+                g = final if g is None else g + final
+            g = torch.zeros(e.info.micro_batch_shape(self.sizes[i]), dtype=e.info.dtype) if g is None else g
+            ops.append(("send", g.contiguous(), e.src, self._tag(e, i, True), f"send grad of {e.name!r} mb {i} to rank {e.src}"))
+        self.sends += self._post(ops)
+
+    def finish_step(self) -> None:
+        """Wait for this rank's sends, then for every rank: a step returns only if it completed everywhere."""
+        self._wait(self.sends)
+        self.sends = []
+        if self.world > 1:
+            peer = (self.rank + 1) % self.world
+            try:
+                work = dist.barrier(group=self.group, async_op=True)
+            except RuntimeError as err:
+                raise _CommError("the end-of-step barrier", peer, err) from err
+            self._wait([(work, peer, "the end-of-step barrier")])
+
+    def run(self, step: Callable[[], Any]) -> Any:
+        """Run one step; any failure is reported to every rank and raised as PipelineError."""
+        if self._failed is not None:
+            raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
+        if self._remote is not None:
+            self._failed = self._remote
+            raise PipelineError(f"pipeline step failed: {self._remote}")
+        try:
+            return step()
+        except PipelineError:
+            raise
+        except Exception as err:
+            raise self._fail(err) from err
+        except BaseException as err:  # KeyboardInterrupt, SystemExit: still tell the others
+            self._fail(err)
+            raise
 
     # -- messages --------------------------------------------------------------
     def _tag(self, e: Edge, i: int, backward: bool) -> int:
-        return (self._eidx[e.name] * self.spec.chunks + i) * 2 + int(backward)
+        return (self._tags[e.name] * len(self.sizes) + i) * 2 + int(backward)
 
     def _post(self, ops: list[tuple[str, torch.Tensor, int, int, str]]) -> list[tuple[Any, int, str]]:
         """Post ("send"|"recv", tensor, peer, tag, what) ops; returns [(work, peer, what)]."""
-        if not ops:
-            return []
         try:
-            if self.ops == "pg":
-                g = self.group
-                works = [
-                    (g.send([t], p, tag) if k == "send" else g.recv([t], p, tag)) for k, t, p, tag, _ in ops
-                ]
-            elif self.ops == "isend":
-                works = [
-                    (
-                        dist.isend(t, self._global[p], group=self.group, tag=tag)
-                        if k == "send"
-                        else dist.irecv(t, self._global[p], group=self.group, tag=tag)
-                    )
-                    for k, t, p, tag, _ in ops
-                ]
-            else:
-                works = dist.batch_isend_irecv(
-                    [
-                        dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], self.group, tag)
-                        for k, t, p, tag, _ in ops
-                    ]
-                )
+            works = [(self.group.send([t], p, tag) if k == "send" else self.group.recv([t], p, tag))
+                     for k, t, p, tag, _ in ops]
         except RuntimeError as err:
             raise _CommError(f"posting {ops[0][4]}", ops[0][2], err) from err
         return [(w, p, what) for w, (_, _, p, _, what) in zip(works, ops)]
@@ -381,38 +224,30 @@ class P2PGPipe:
 
     # -- failure handling ------------------------------------------------------
     def _poison(self) -> None:
-        """Make gloo close every pair of this rank's context, so that each peer
-        blocked on us fails now instead of at its timeout."""
+        """Make gloo close every pair of this rank's context, so each peer blocked on us fails now."""
         with self._poison_lock:
-            if self._poisoned or self.spec.world < 2:
+            if self._poisoned or self.world < 2:
                 return
             self._poisoned = True
-        peer = (self.rank + 1) % self.spec.world
         try:
-            self.group.recv([torch.empty(1)], peer, _POISON_TAG).wait(timedelta(milliseconds=1))
+            self.group.recv([torch.empty(1)], (self.rank + 1) % self.world, _POISON_TAG).wait(timedelta(milliseconds=1))
         except RuntimeError:
             pass  # the expected "Timed out waiting 1ms": the context is now closed
 
     def _watch(self) -> None:
-        """Watchdog thread: sleeps in a store wait until some rank reports a
-        failure (or the store dies), then poisons this rank's gloo context so
-        that the main thread's pending wait fails now."""
-        store = self._wstore
-        key = f"wake/{self.rank}"
+        """Sleeps in a store wait until some rank reports a failure (or the store dies), then
+        poisons this rank's context so the main thread's pending wait fails now."""
+        store, key = self._wstore, f"wake/{self.rank}"
         while not self._wd_stop.is_set():
             try:
-                # Event-driven, no polling: a failing rank sets wake/<r> for
-                # every r. Long timeout because each expiry logs a c10d warning.
-                store.wait([key], timedelta(seconds=3600))
+                store.wait([key], timedelta(seconds=3600))  # event-driven; each expiry logs a c10d warning
             except dist.DistStoreError:
-                continue  # timed out: nothing happened for an hour
+                continue
             except Exception as err:  # noqa: BLE001 - the store is gone: its host died
                 if self._wd_stop.is_set():
                     return
-                self._remote = (
-                    f"rank {self.rank} lost the rendezvous store ({type(err).__name__}); the rank "
-                    "hosting it (rank 0 with a tcp:// init_method) probably died"
-                )
+                self._remote = (f"rank {self.rank} lost the rendezvous store ({type(err).__name__}); the rank "
+                                "hosting it (rank 0 with a tcp:// init_method) probably died")
                 self._poison()
                 return
             if self._wd_stop.is_set():
@@ -428,46 +263,32 @@ class P2PGPipe:
             return
 
     def _report(self, msg: str) -> tuple[str, bool]:
-        """Publish ``msg`` unless a failure was reported first.
-
-        Returns (the first report, whether the store could be reached). Uses
-        its own store client with a short timeout, so a dead store host costs
-        at most a few seconds here and the default group's store keeps its
-        own timeout.
-        """
+        """Publish ``msg`` unless a failure was reported first: (the first report, store reachable)."""
         try:
             first = self._rstore.compare_set("failed", "", msg).decode() or msg
-            w = self.spec.world
-            self._rstore.multi_set([f"wake/{q}" for q in range(w)], ["1"] * w)
+            self._rstore.multi_set([f"wake/{q}" for q in range(self.world)], ["1"] * self.world)
             return first, True
         except Exception:  # noqa: BLE001 - store unreachable: keep our own message
             return msg, False
 
-    def _describe(self, err: BaseException, where: str) -> str:
-        r = self.rank
+    def _describe(self, err: BaseException) -> str:
         if not isinstance(err, _CommError):
-            return f"rank {r} failed in {where}: {type(err).__name__}: {err}"
+            where = getattr(err, "_autopipe_where", "the step")
+            return f"rank {self.rank} failed in {where}: {type(err).__name__}: {err}"
         text = str(err.err)
         if "Timed out" in text:
-            return (
-                f"rank {r}: {err.what} timed out after {self.timeout.total_seconds():g} s: "
-                f"rank {err.peer} is hung or far too slow"
-            )
-        return (
-            f"rank {r}: {err.what} failed: rank {err.peer} closed its connections "
-            f"(it died, or failed itself) [{type(err.err).__name__}: {text.splitlines()[0][:200]}]"
-        )
+            return (f"rank {self.rank}: {err.what} timed out after {self.timeout.total_seconds():g} s: "
+                    f"rank {err.peer} is hung or far too slow")
+        return (f"rank {self.rank}: {err.what} failed: rank {err.peer} closed its connections "
+                f"(it died, or failed itself) [{type(err.err).__name__}: {text.splitlines()[0][:200]}]")
 
-    def _fail(self, err: BaseException, where: str) -> PipelineError:
-        """Report, poison, and build the error this rank raises."""
-        mine = self._describe(err, where)
+    def _fail(self, err: BaseException) -> PipelineError:
+        mine = self._describe(err)
         first, reachable = self._report(self._remote or mine)
         self._poison()
         if not reachable:
-            first = mine = (
-                "the rendezvous store is unreachable, so the rank hosting it (rank 0 with a "
-                f"tcp:// init_method) probably died or exited; rank {self.rank} saw: {mine}"
-            )
+            first = mine = ("the rendezvous store is unreachable, so the rank hosting it (rank 0 with a tcp:// "
+                            f"init_method) probably died or exited; rank {self.rank} saw: {mine}")
         self._failed = first
         if first == mine:
             return PipelineError(f"pipeline step failed: {first}")
@@ -483,219 +304,3 @@ class P2PGPipe:
                 self._store.delete_key(f"wake/{self.rank}")
             except Exception:  # noqa: BLE001
                 pass
-
-    # -- the step ----------------------------------------------------------------
-    def step(
-        self,
-        inputs: Mapping[str, torch.Tensor] | torch.Tensor | None = None,
-        *,
-        target: Any = None,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """One training step's forward and backward (no optimizer step).
-
-        ``inputs``: this rank's local inputs (whole batch), by name, or one
-        tensor when the stage has exactly one local input. ``target``: whole
-        batch, on the last rank (a tensor, or a tuple/list of tensors split
-        alike). Returns the batch loss (detached) on the last rank, else None.
-        """
-        if self._failed is not None:
-            raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
-        if self._remote is not None:
-            self._failed = self._remote
-            raise PipelineError(f"pipeline step failed: {self._remote}")
-        try:
-            # Bad arguments are reported like any failure: the other ranks
-            # must not wait for this one until their timeout.
-            local_mbs, tgt, loss_fn = self._prepare(inputs, target, loss_fn)
-            return self._step(local_mbs, tgt, loss_fn)
-        except PipelineError:
-            raise
-        except Exception as err:
-            raise self._fail(err, getattr(err, "_autopipe_where", "the step")) from err
-        except BaseException as err:  # KeyboardInterrupt, SystemExit: still tell the others
-            self._fail(err, getattr(err, "_autopipe_where", "the step"))
-            raise
-
-    def _prepare(self, inputs, target, loss_fn):
-        spec, M = self.spec, self.spec.chunks
-        if isinstance(inputs, torch.Tensor):
-            if len(self._locals) != 1:
-                raise ValueError(f"step() got one tensor, but this stage takes local inputs {self._locals}")
-            inputs = {self._locals[0]: inputs}
-        inputs = dict(inputs or {})
-        missing = set(self._locals) - set(inputs)
-        if missing:
-            raise ValueError(f"step() lacks this stage's local inputs {sorted(missing)}")
-        local_mbs = {}
-        for k in self._locals:
-            if inputs[k].shape[0] != spec.batch_size:
-                raise ValueError(f"input {k!r} has batch {inputs[k].shape[0]}, spec says {spec.batch_size}")
-            local_mbs[k] = inputs[k].tensor_split(M)
-        loss_fn = loss_fn or self.loss_fn
-        tgt = None
-        if self._is_last:
-            if loss_fn is None or target is None:
-                raise ValueError("the last rank's step() needs target= and loss_fn=")
-            tgt = (
-                list(zip(*[t.tensor_split(M) for t in target]))
-                if isinstance(target, (tuple, list))
-                else [(t,) for t in target.tensor_split(M)]
-            )
-        return local_mbs, tgt, loss_fn
-
-    def _step(self, local_mbs, tgt, loss_fn) -> torch.Tensor | None:
-        spec, M, r = self.spec, self.spec.chunks, self.rank
-        if self._bufs is None:
-            self._alloc()
-        bufs, gbufs = self._bufs, self._gbufs
-        t_start = time.perf_counter()
-        wait_s = 0.0
-
-        # 1. post every receive of the step: activations for all micro-batches
-        #    in order, then the gradients coming back (any order is fine: tags
-        #    are unique per edge, micro-batch and direction).
-        for e in self._in_edges:
-            for b in bufs[e.name]:
-                b.requires_grad_(False)
-                b.grad = None
-        fwd_recv = [
-            self._post(
-                [
-                    ("recv", bufs[e.name][i], e.src, self._tag(e, i, False),
-                     f"receive {e.name!r} mb {i} from rank {e.src}")
-                    for e in self._in_edges
-                ]
-            )
-            for i in range(M)
-        ]
-        bwd_recv = [
-            self._post(
-                [
-                    ("recv", gl[i], d, self._tag(self._edge[name], i, True),
-                     f"receive grad of {name!r} mb {i} from rank {d}")
-                    for (name, d), gl in gbufs.items()
-                ]
-            )
-            for i in range(M)
-        ]
-
-        sends: list[tuple[Any, int, str]] = []
-        saved: list[tuple[list[torch.Tensor], list[Edge]] | None] = [None] * M
-        losses: list[torch.Tensor | None] = [None] * M
-        total = None
-
-        # 2. forward, micro-batches 0..M-1
-        for i in range(M):
-            t0 = time.perf_counter()
-            self._wait(fwd_recv[i])
-            wait_s += time.perf_counter() - t0
-            args = []
-            for x in spec.stage_inputs[r]:
-                if x in local_mbs:
-                    args.append(local_mbs[x][i])
-                else:
-                    b = bufs[x][i]
-                    if self._edge[x].grad:
-                        b.requires_grad_(True)
-                    args.append(b)
-            try:
-                outs = self.stage(*args)
-            except BaseException as err:
-                err._autopipe_where = f"forward of micro-batch {i}"  # type: ignore[attr-defined]
-                raise
-            if isinstance(outs, torch.Tensor):
-                outs = (outs,)
-            outs = tuple(outs)
-            if len(outs) != len(spec.stage_outputs[r]):
-                err = ValueError(
-                    f"stage returned {len(outs)} tensors, spec names {len(spec.stage_outputs[r])}: "
-                    f"{spec.stage_outputs[r]}"
-                )
-                err._autopipe_where = f"forward of micro-batch {i}"  # type: ignore[attr-defined]
-                raise err
-            ops = []
-            edge_outs, edges = [], []
-            finals = []
-            for y, t in zip(spec.stage_outputs[r], outs):
-                if y in self._finals:
-                    finals.append(t)
-                    continue
-                e = self._edge[y]
-                want = e.mb_shape(spec.sizes[i])
-                if tuple(t.shape) != want or t.dtype != e.dtype:
-                    err = ValueError(f"output {y!r} is {tuple(t.shape)} {t.dtype}, spec says {want} {e.dtype}")
-                    err._autopipe_where = f"forward of micro-batch {i}"  # type: ignore[attr-defined]
-                    raise err
-                payload = t.detach().contiguous()
-                for d in e.dsts:
-                    ops.append(("send", payload, d, self._tag(e, i, False), f"send {y!r} mb {i} to rank {d}"))
-                edge_outs.append(t)
-                edges.append(e)
-            sends += self._post(ops)
-            saved[i] = (edge_outs, edges)
-            if self._is_last:
-                try:
-                    li = loss_fn(*finals, *tgt[i]) * (spec.sizes[i] / spec.batch_size)
-                except BaseException as err:
-                    err._autopipe_where = f"loss of micro-batch {i}"  # type: ignore[attr-defined]
-                    raise
-                losses[i] = li
-                total = li.detach() if total is None else total + li.detach()
-
-        # 3. backward, micro-batches M-1..0
-        for i in reversed(range(M)):
-            edge_outs, edges = saved[i]
-            saved[i] = None
-            t0 = time.perf_counter()
-            self._wait(bwd_recv[i])
-            wait_s += time.perf_counter() - t0
-            tensors, grads = [], []
-            if losses[i] is not None:
-                if losses[i].requires_grad:
-                    tensors.append(losses[i])
-                    grads.append(None)
-                losses[i] = None
-            for t, e in zip(edge_outs, edges):
-                if not e.grad:
-                    continue
-                g = gbufs[(e.name, e.dsts[0])][i]
-                for d in e.dsts[1:]:
-                    g = g + gbufs[(e.name, d)][i]
-                if t.requires_grad:
-                    tensors.append(t)
-                    grads.append(g)
-            if tensors:
-                try:
-                    torch.autograd.backward(tensors, grads)
-                except BaseException as err:
-                    err._autopipe_where = f"backward of micro-batch {i}"  # type: ignore[attr-defined]
-                    raise
-            ops = []
-            for e in self._in_edges:
-                if not e.grad:
-                    continue
-                b = bufs[e.name][i]
-                g = b.grad
-                if g is None:
-                    key = (e.name, spec.sizes[i])
-                    if key not in self._zeros:
-                        self._zeros[key] = torch.zeros(e.mb_shape(spec.sizes[i]), dtype=e.dtype)
-                    g = self._zeros[key]
-                ops.append(("send", g.contiguous(), e.src, self._tag(e, i, True), f"send grad of {e.name!r} mb {i} to rank {e.src}"))
-            sends += self._post(ops)
-
-        t0 = time.perf_counter()
-        self._wait(sends)
-        if self.confirm and spec.world > 1:
-            # Every rank returns only once every rank has finished the step, so
-            # a failure anywhere fails the step everywhere (no rank goes on to
-            # an optimizer step with the others' gradients incomplete).
-            try:
-                work = dist.barrier(group=self.group, async_op=True)
-            except RuntimeError as err:
-                raise _CommError("the end-of-step barrier", (r + 1) % spec.world, err) from err
-            self._wait([(work, (r + 1) % spec.world, "the end-of-step barrier")])
-        wait_s += time.perf_counter() - t0
-        self.last_stats = {"step_s": time.perf_counter() - t_start, "wait_s": wait_s}
-        return total

@@ -1,20 +1,35 @@
 """Schedule: which (stage, micro-batch, forward/backward) task runs at each clock cycle.
 
-GPipe (Huang et al., 2019, fig. 2c): all forwards on a diagonal, stage j
-running micro-batch i at clock i + j; then all backwards in reverse, the last
-stage first, micro-batches in reverse order. A Schedule is plain data: it
-prints and is tested without a device, and both transports (threads and
-torch.distributed) execute each stage's tasks in its order.
+A Schedule is plain data, a table of clock cycles, so one executor runs them
+all: each device's worker runs `device_order(d)` strictly in order, a task
+waiting only for its inputs. A new schedule is a new table, not a new runtime.
+Stage s lives on device s % K (round robin), as in Megatron-LM's interleaving.
+
+* GPipe (Huang et al., 2019, fig. 2c): all forwards on a diagonal, then all
+  backwards in reverse. Every micro-batch's activations are held at once.
+* 1F1B / PipeDream-flush (Narayanan et al., 2021, "Memory-efficient
+  pipeline-parallel DNN training"): after a warm-up of K-d-1 forwards device d
+  alternates one forward, one backward, so at most K-d micro-batches are in
+  flight instead of M; same bubble as GPipe.
+* Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM, sec. 2.2): each device
+  holds v stages; the bubble shrinks by v at the cost of v times more messages.
+
+Per-device orders follow torch.distributed.pipelining.schedules
+(Schedule1F1B, ScheduleInterleaved1F1B, `_get_warmup_ops`, `_get_1f1b_rank_ops`);
+the cycles are then the earliest clock cycle each task can run at, with unit-time
+tasks (`_pack`), rather than torch's hand-placed padding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
+
+NAMES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True, order=True)
 class Task:
-    stage: int
+    stage: int          # pipeline stage index (a virtual stage for interleaved: 0 .. K*v-1)
     micro_batch: int
     kind: Literal["F", "B"]
 
@@ -22,16 +37,29 @@ class Task:
         return f"{self.kind}{self.micro_batch}"
 
 
+def _deps(t: Task, n_stages: int) -> list[Task]:
+    """What a task waits for: its input activation, or its output gradient and its own forward."""
+    if t.kind == "F":
+        return [Task(t.stage - 1, t.micro_batch, "F")] if t.stage > 0 else []
+    deps = [Task(t.stage, t.micro_batch, "F")]
+    if t.stage < n_stages - 1:
+        deps.append(Task(t.stage + 1, t.micro_batch, "B"))
+    return deps
+
+
 @dataclass(frozen=True)
 class Schedule:
-    n_stages: int
-    chunks: int
+    name: str                # "gpipe" | "1f1b" | "interleaved"
+    n_stages: int            # stages (K*v for interleaved)
+    n_devices: int           # K; stage s runs on device s % n_devices
+    chunks: int              # micro-batches M
     cycles: tuple[tuple[Task, ...], ...]   # tasks that may run at the same clock cycle
 
+    # -- builders -----------------------------------------------------------
     @classmethod
     def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> "Schedule":
-        if n_stages < 1 or chunks < 1:
-            raise ValueError(f"a schedule needs at least one stage and one micro-batch (got K={n_stages}, M={chunks})")
+        """GPipe fig. 2c: stage j runs forward i at clock i + j, backwards mirror that in reverse."""
+        _check_sizes(n_stages, chunks)
         span = chunks + n_stages - 1
         cycles: list[list[Task]] = [[] for _ in range(span * (2 if backward else 1))]
         for i in range(chunks):
@@ -39,29 +67,203 @@ class Schedule:
                 cycles[i + j].append(Task(j, i, "F"))
                 if backward:
                     cycles[span + (chunks - 1 - i) + (n_stages - 1 - j)].append(Task(j, i, "B"))
-        return cls(n_stages, chunks, tuple(tuple(sorted(c)) for c in cycles))
+        s = cls("gpipe", n_stages, n_stages, chunks, tuple(tuple(sorted(c)) for c in cycles))
+        s.validate()
+        return s
+
+    @classmethod
+    def one_f_one_b(cls, n_stages: int, chunks: int) -> "Schedule":
+        """PipeDream-flush: K-d-1 warm-up forwards on device d, then F,B pairs, then the
+        remaining backwards (Megatron's `num_warmup_microbatches`; torch's Schedule1F1B
+        does the same order as K-d forwards then B,F pairs). With M < K it is GPipe."""
+        _check_sizes(n_stages, chunks)
+        orders = []
+        for d in range(n_stages):
+            warmup = min(chunks, n_stages - d - 1)
+            order = [Task(d, i, "F") for i in range(warmup)]
+            for i in range(chunks - warmup):
+                order += [Task(d, warmup + i, "F"), Task(d, i, "B")]
+            order += [Task(d, i, "B") for i in range(chunks - warmup, chunks)]
+            orders.append(order)
+        return cls._pack("1f1b", n_stages, n_stages, chunks, orders)
+
+    @classmethod
+    def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> "Schedule":
+        """Megatron-LM sec. 2.2, as torch's ScheduleInterleaved1F1B builds it: forwards go
+        depth first in rounds of `per_round` micro-batches (K when K divides M) through the
+        device's v stages; backwards the same from the last stage; warm-up
+        (v-1)*per_round + 2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs.
+        torch relaxes Megatron's M % K == 0 to M % max(1, M // K) == 0."""
+        K, v, M = n_devices, virtual_stages, chunks
+        _check_sizes(K, M)
+        if v < 2:
+            raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); "
+                             "with one stage per device use '1f1b'")
+        if not _interleavable(K, M):
+            below = next(m for m in range(M, 0, -1) if _interleavable(K, m))
+            above = next(m for m in range(M, M + K + 1) if _interleavable(K, m))
+            raise ValueError(f"interleaved needs chunks to be a multiple of max(1, chunks // n_devices) "
+                             f"= {M // K} (got chunks={M}, n_devices={K}); any multiple of n_devices "
+                             f"works: nearest valid chunks are {below} and {above}")
+        per_round, total = M // max(1, M // K), v * M
+
+        def mb(k: int) -> int:
+            return k // (per_round * v) * per_round + k % per_round
+
+        orders = []
+        for d in range(K):
+            fwd = [Task((k // per_round) % v * K + d, mb(k), "F") for k in range(total)]
+            bwd = [Task((v - 1 - (k // per_round) % v) * K + d, mb(k), "B") for k in range(total)]
+            warmup = min(total, (v - 1) * per_round + 2 * (K - d - 1))
+            order = fwd[:warmup]
+            for k in range(total - warmup):
+                order += [fwd[warmup + k], bwd[k]]
+            orders.append(order + bwd[total - warmup:])
+        return cls._pack("interleaved", K * v, K, M, orders)
+
+    @classmethod
+    def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> "Schedule":
+        """By name: 'gpipe' | '1f1b' (one stage per device) | 'interleaved' (virtual_stages >= 2)."""
+        if name not in NAMES:
+            raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
+        if name == "interleaved":
+            return cls.interleaved(n_devices, virtual_stages, chunks)
+        if virtual_stages != 1:
+            raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); "
+                             "use 'interleaved' for several")
+        return cls.gpipe(n_devices, chunks) if name == "gpipe" else cls.one_f_one_b(n_devices, chunks)
+
+    @classmethod
+    def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int,
+              orders: Sequence[Sequence[Task]]) -> "Schedule":
+        """Per-device orders -> clock cycles: each device starts its next task at the first
+        cycle after that task's inputs are done (unit-time tasks). Raises if the orders
+        deadlock, so no builder can return an order a worker would hang on."""
+        done: set[Task] = set()
+        heads = [0] * len(orders)
+        cycles: list[tuple[Task, ...]] = []
+        while any(h < len(o) for h, o in zip(heads, orders)):
+            now = []
+            for d, order in enumerate(orders):
+                if heads[d] < len(order) and all(p in done for p in _deps(order[heads[d]], n_stages)):
+                    now.append(order[heads[d]])
+                    heads[d] += 1
+            if not now:
+                stuck = [o[h] for h, o in zip(heads, orders) if h < len(o)]
+                raise ValueError(f"{name} orders deadlock: devices wait on {stuck}")
+            done.update(now)
+            cycles.append(tuple(sorted(now)))
+        s = cls(name, n_stages, n_devices, chunks, tuple(cycles))
+        s.validate()
+        return s
+
+    # -- queries ------------------------------------------------------------
+    @property
+    def virtual_stages(self) -> int:
+        return self.n_stages // self.n_devices
+
+    def device_of(self, stage: int) -> int:
+        return stage % self.n_devices
+
+    def stages_on(self, device: int) -> list[int]:
+        return list(range(device, self.n_stages, self.n_devices))
+
+    def device_order(self, device: int) -> list[Task]:
+        """The order the worker of `device` runs its tasks in."""
+        return [t for cycle in self.cycles for t in cycle if self.device_of(t.stage) == device]
 
     def stage_order(self, stage: int) -> list[Task]:
         """The tasks of one stage in the order its worker runs them."""
         return [t for cycle in self.cycles for t in cycle if t.stage == stage]
 
+    def forward_only(self) -> "Schedule":
+        """The same device orders without backwards, re-packed (inference / no-grad steps).
+        For GPipe this is exactly `gpipe(K, M, backward=False)`."""
+        if not any(t.kind == "B" for c in self.cycles for t in c):
+            return self
+        orders = [[t for t in self.device_order(d) if t.kind == "F"] for d in range(self.n_devices)]
+        return self._pack(self.name, self.n_stages, self.n_devices, self.chunks, orders)
+
+    def max_in_flight(self, stage: int) -> int:
+        """Most micro-batches whose forward ran but backward not yet: activations the
+        stage must hold. M for GPipe, K - stage for 1F1B (PipeDream-flush sec. 3)."""
+        live = peak = 0
+        for t in self.stage_order(stage):
+            live += 1 if t.kind == "F" else -1
+            peak = max(peak, live)
+        return peak
+
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the stage-cycles: (K-1)/(M+K-1) for GPipe."""
+        """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B,
+        (K-1)/(v*M+K-1) for interleaved with M >= K (tests derive both)."""
         busy = sum(len(c) for c in self.cycles)
-        return 1 - busy / (len(self.cycles) * self.n_stages)
+        return 1 - busy / (len(self.cycles) * self.n_devices)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first broken rule. Dependencies in strictly earlier
+        cycles plus at most one task per device per cycle make the cycle index an order
+        every worker's list agrees with, hence the device orders cannot deadlock."""
+        if self.n_devices < 1 or self.chunks < 1 or self.n_stages < 1:
+            raise ValueError(f"a schedule needs at least one device, stage and micro-batch "
+                             f"(got K={self.n_devices}, stages={self.n_stages}, M={self.chunks})")
+        if self.n_stages % self.n_devices:
+            raise ValueError(f"{self.n_stages} stages do not split evenly over {self.n_devices} devices")
+        when: dict[Task, int] = {}
+        for c, cycle in enumerate(self.cycles):
+            busy: set[int] = set()
+            for t in cycle:
+                if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks
+                        and t.kind in ("F", "B")):
+                    raise ValueError(f"task {t!r} at cycle {c} is out of range")
+                if t in when:
+                    raise ValueError(f"task {t!r} runs twice (cycles {when[t]} and {c})")
+                if self.device_of(t.stage) in busy:
+                    raise ValueError(f"device {self.device_of(t.stage)} runs two tasks at cycle {c}")
+                busy.add(self.device_of(t.stage))
+                when[t] = c
+        kinds = ("F", "B") if any(t.kind == "B" for t in when) else ("F",)
+        for s in range(self.n_stages):
+            for i in range(self.chunks):
+                for k in kinds:
+                    if Task(s, i, k) not in when:
+                        raise ValueError(f"missing {k} of micro-batch {i} on stage {s}: "
+                                         "every (stage, micro-batch) needs one F" +
+                                         (" and one B" if len(kinds) == 2 else ""))
+        for t, c in when.items():
+            for p in _deps(t, self.n_stages):
+                if when[p] >= c:
+                    raise ValueError(f"dependency broken: {t!r} at cycle {c} does not come after "
+                                     f"{p!r} at cycle {when[p]}")
 
     def __str__(self) -> str:
-        width = max(2, len(str(self.chunks - 1)) + 1)
-        header = "cycle   " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))
-        rows = [f"GPipe schedule: {self.n_stages} stages x {self.chunks} micro-batches, "
-                f"{len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", header]
-        for j in range(self.n_stages):
-            cells = []
-            for cycle in self.cycles:
-                task = next((t for t in cycle if t.stage == j), None)
-                cells.append(f"{str(task) if task else '.':>{width}}")
-            rows.append(f"stage {j:<2}" + " ".join(cells))
+        v = self.virtual_stages
+
+        def cell(t: Task | None) -> str:
+            return "." if t is None else f"{t}.{t.stage}" if v > 1 else str(t)
+
+        grid = [[next((t for t in c if self.device_of(t.stage) == d), None) for c in self.cycles]
+                for d in range(self.n_devices)]
+        width = max([2, len(str(len(self.cycles) - 1))] + [len(cell(t)) for row in grid for t in row])
+        note = ("cells: F<i>.<s> / B<i>.<s> = forward / backward of micro-batch i through stage s"
+                if v > 1 else "cells: F<i> / B<i> = forward / backward of micro-batch i") + ", . = idle"
+        rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, "
+                f"M={self.chunks} micro-batches, {len(self.cycles)} clock cycles, "
+                f"bubble {self.bubble_fraction:.3f}", note,
+                "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
+        rows += [f"device {d:<2} " + " ".join(f"{cell(t):>{width}}" for t in row)
+                 for d, row in enumerate(grid)]
         return "\n".join(rows)
 
     __repr__ = __str__
+
+
+def _interleavable(n_devices: int, chunks: int) -> bool:
+    """torch's rule: micro-batches split into max(1, M // K) equal rounds."""
+    return chunks % max(1, chunks // n_devices) == 0
+
+
+def _check_sizes(n_devices: int, chunks: int) -> None:
+    if n_devices < 1 or chunks < 1:
+        raise ValueError(f"a schedule needs at least one stage and one micro-batch "
+                         f"(got K={n_devices}, M={chunks})")

@@ -6,11 +6,13 @@ per-stage busy time shows the measured imbalance.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 KINDS = ("forward", "recompute", "backward", "copy")
 
@@ -38,6 +40,15 @@ class Timeline:
     def record(self, stage: int, micro_batch: int, kind: str, start: float, end: float) -> None:
         with self._lock:
             self.events.append(Event(stage, micro_batch, kind, start, end))
+
+    @contextlib.contextmanager
+    def span(self, stage: int, micro_batch: int, kind: str) -> Iterator[None]:
+        """Times one task: ``with timeline.span(stage, mb, "forward"): ...``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(stage, micro_batch, kind, start, time.perf_counter())
 
     # -- numbers ---------------------------------------------------------------
     @property
@@ -111,27 +122,3 @@ class Timeline:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
         return os.fspath(path)
-
-
-class Clock:
-    """Times one task into a timeline: ``with clock(stage, mb, "forward"): ...``."""
-
-    def __init__(self, timeline: Timeline):
-        self.timeline = timeline
-
-    def __call__(self, stage: int, micro_batch: int, kind: str):
-        return _Span(self.timeline, stage, micro_batch, kind)
-
-
-class _Span:
-    __slots__ = ("timeline", "stage", "micro_batch", "kind", "t")
-
-    def __init__(self, timeline, stage, micro_batch, kind):
-        self.timeline, self.stage, self.micro_batch, self.kind = timeline, stage, micro_batch, kind
-
-    def __enter__(self):
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.timeline.record(self.stage, self.micro_batch, self.kind, self.t, time.perf_counter())
-        return False

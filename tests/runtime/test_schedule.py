@@ -1,38 +1,278 @@
-"""The GPipe schedule as plain data: no device needed."""
+"""Schedules as plain data, checked without a device.
+
+The rules are checked here independently of Schedule.validate(): `violations`
+re-derives them and `run_in_order` executes every device's order the way the
+runtime does (one worker per device, strictly in order, a task waiting only for
+its inputs), so a schedule that would deadlock the runtime fails here.
+"""
+import itertools
+import types
+from dataclasses import replace
+
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from autopipe.runtime.schedule import Schedule, Task
 
 
+# -- an independent executor and rule checker ---------------------------------------
+
+def inputs(t, n_stages):
+    if t.kind == "F":
+        return {Task(t.stage - 1, t.micro_batch, "F")} if t.stage else set()
+    return {Task(t.stage, t.micro_batch, "F")} | (
+        {Task(t.stage + 1, t.micro_batch, "B")} if t.stage + 1 < n_stages else set())
+
+
+def run_in_order(s, tf=1, tb=2):
+    """Simulate K workers running device_order(d) strictly in order, a task starting once
+    its inputs finished and its worker is free. Returns the makespan; raises on deadlock."""
+    orders = [s.device_order(d) for d in range(s.n_devices)]
+    finish, free, head = {}, [0] * s.n_devices, [0] * s.n_devices
+    progress = True
+    while progress:
+        progress = False
+        for d, order in enumerate(orders):
+            while head[d] < len(order) and inputs(order[head[d]], s.n_stages) <= finish.keys():
+                t = order[head[d]]
+                start = max([free[d]] + [finish[p] for p in inputs(t, s.n_stages)])
+                finish[t] = free[d] = start + (tf if t.kind == "F" else tb)
+                head[d] += 1
+                progress = True
+    stuck = [order[h] for h, order in zip(head, orders) if h < len(order)]
+    if stuck:
+        raise AssertionError(f"deadlock: workers wait on {stuck}")
+    return max(free)
+
+
+def violations(s):
+    """The rules, re-derived: counts, inputs in earlier cycles, one task per device per cycle,
+    device orders consistent with the cycles, and executable without deadlock."""
+    tasks = [t for c in s.cycles for t in c]
+    kinds = "FB" if any(t.kind == "B" for t in tasks) else "F"
+    want = {Task(j, i, k) for j in range(s.n_stages) for i in range(s.chunks) for k in kinds}
+    bad = []
+    if len(tasks) != len(set(tasks)) or set(tasks) != want:
+        bad.append("not exactly one F (and B) per (stage, micro-batch)")
+    when = {t: c for c, cycle in enumerate(s.cycles) for t in cycle}
+    if any(p not in when or when[p] >= when[t] for t in when for p in inputs(t, s.n_stages)):
+        bad.append("an input not done in an earlier cycle")
+    for cycle in s.cycles:
+        devices = [t.stage % s.n_devices for t in cycle]
+        if len(devices) != len(set(devices)):
+            bad.append("a device runs two tasks in one cycle")
+    for d in range(s.n_devices):
+        order = s.device_order(d)
+        if [when[t] for t in order] != sorted(when[t] for t in order) or \
+                sorted(order) != sorted(t for t in tasks if t.stage % s.n_devices == d):
+            bad.append(f"device {d}'s order disagrees with the cycles")
+    if not bad:
+        try:
+            run_in_order(s)
+        except AssertionError as e:
+            bad.append(str(e))
+    return bad
+
+
+def interleavable(K, M):
+    return M % max(1, M // K) == 0
+
+
+@st.composite
+def schedules(draw):
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+    K, M = draw(st.integers(1, 6)), draw(st.integers(1, 16))
+    if name != "interleaved":
+        return Schedule.build(name, K, M)
+    M = draw(st.integers(1, 16).filter(lambda m: interleavable(K, m)))
+    return Schedule.build(name, K, M, virtual_stages=draw(st.integers(2, 3)))
+
+
+# -- every builder satisfies the rules ---------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_every_schedule_keeps_the_rules_and_runs_without_deadlock(s):
+    assert violations(s) == []
+    s.validate()
+    fwd = s.forward_only()
+    assert violations(fwd) == [] and all(t.kind == "F" for c in fwd.cycles for t in c)
+    fwd.validate()
+    assert s.stages_on(0) == list(range(0, s.n_stages, s.n_devices))
+    for d in range(s.n_devices):
+        assert [s.device_of(j) for j in s.stages_on(d)] == [d] * (s.n_stages // s.n_devices)
+        assert [t for t in fwd.device_order(d)] == [t for t in s.device_order(d) if t.kind == "F"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.data())
+def test_validate_agrees_with_the_rules_on_damaged_tables(s, data):
+    cycles = [list(c) for c in s.cycles] + [[]]
+    src = data.draw(st.sampled_from([c for c, cycle in enumerate(cycles) if cycle]))
+    task = data.draw(st.sampled_from(cycles[src]))
+    action = data.draw(st.sampled_from(["move", "drop", "copy"]))
+    if action != "copy":
+        cycles[src].remove(task)
+    if action != "drop":
+        cycles[data.draw(st.integers(0, len(cycles) - 1))].append(task)
+    damaged = replace(s, cycles=tuple(tuple(c) for c in cycles if c))
+    broken = violations(damaged)
+    if broken:
+        with pytest.raises(ValueError):
+            damaged.validate()
+    else:
+        damaged.validate()
+
+
+@pytest.mark.parametrize("cycles,message", [
+    (((Task(0, 0, "F"),), (Task(1, 0, "F"),), (Task(1, 0, "B"),)), "missing B of micro-batch 0 on stage 0"),
+    (((Task(0, 0, "F"), Task(1, 0, "F")), (Task(1, 0, "B"),), (Task(0, 0, "B"),)), "dependency broken"),
+    (((Task(0, 0, "F"),), (Task(1, 0, "F"),), (Task(1, 0, "B"),), (Task(0, 0, "B"), Task(0, 0, "B"))),
+     "runs twice"),
+    (((Task(0, 0, "F"),), (Task(2, 0, "F"),)), "out of range"),
+])
+def test_validate_names_the_broken_rule(cycles, message):
+    with pytest.raises(ValueError, match=message):
+        Schedule("gpipe", 2, 2, 1, cycles).validate()
+
+
+def test_validate_refuses_two_tasks_of_one_device_in_a_cycle():
+    with pytest.raises(ValueError, match="two tasks at cycle 0"):
+        Schedule("interleaved", 4, 2, 1, ((Task(0, 0, "F"), Task(2, 0, "F")),)).validate()
+
+
+# -- GPipe: the layout of Huang et al. fig. 2c --------------------------------------
+
 @pytest.mark.parametrize("K,M", [(1, 1), (2, 4), (4, 8), (3, 1), (8, 32)])
 def test_gpipe_clock_cycles_and_bubble(K, M):
     s = Schedule.gpipe(K, M)
+    assert (s.name, s.n_stages, s.n_devices) == ("gpipe", K, K)
     assert len(s.cycles) == 2 * (M + K - 1)
     assert s.bubble_fraction == pytest.approx((K - 1) / (M + K - 1))
     for j in range(K):
         order = s.stage_order(j)
+        assert order == s.device_order(j)
         assert order[:M] == [Task(j, i, "F") for i in range(M)]
         assert order[M:] == [Task(j, i, "B") for i in reversed(range(M))]
-
-
-def test_dependencies_hold_at_every_cycle():
-    s = Schedule.gpipe(4, 6)
-    when = {t: c for c, cycle in enumerate(s.cycles) for t in cycle}
-    for (j, i, kind), c in ((tuple((t.stage, t.micro_batch, t.kind)), c) for t, c in when.items()):
-        if kind == "F" and j > 0:
-            assert when[Task(j - 1, i, "F")] < c
-        if kind == "B":
-            assert when[Task(j, i, "F")] < c
-            if j < 3:
-                assert when[Task(j + 1, i, "B")] < c
+    assert s.forward_only() == Schedule.gpipe(K, M, backward=False)
 
 
 def test_prints_a_grid():
-    text = str(Schedule.gpipe(2, 3))
-    assert text.splitlines()[2].split() == ["stage", "0", "F0", "F1", "F2", ".", ".", "B2", "B1", "B0"]
-    assert text.splitlines()[3].split() == ["stage", "1", ".", "F0", "F1", "F2", "B2", "B1", "B0", "."]
+    lines = str(Schedule.gpipe(2, 3)).splitlines()
+    assert lines[0] == ("gpipe schedule: K=2 devices, v=1 stages per device, M=3 micro-batches, "
+                        "8 clock cycles, bubble 0.250")
+    assert "F<i> / B<i> = forward / backward of micro-batch i" in lines[1]
+    assert lines[3].split() == ["device", "0", "F0", "F1", "F2", ".", ".", "B2", "B1", "B0"]
+    assert lines[4].split() == ["device", "1", ".", "F0", "F1", "F2", "B2", "B1", "B0", "."]
+
+
+def test_prints_the_stage_when_interleaved():
+    lines = str(Schedule.interleaved(2, 2, 4)).splitlines()
+    assert lines[0].startswith("interleaved schedule: K=2 devices, v=2 stages per device, M=4")
+    assert "F<i>.<s>" in lines[1] and "through stage s" in lines[1]
+    assert lines[3].split()[2:8] == ["F0.0", "F1.0", "F0.2", "F1.2", "F2.0", "B0.2"]
 
 
 def test_rejects_empty_schedule():
     with pytest.raises(ValueError, match="at least one"):
         Schedule.gpipe(0, 4)
+
+
+# -- 1F1B: same time as GPipe, K instead of M micro-batches in flight ---------------
+
+def test_1f1b_order_is_pipedream_flush():
+    s = Schedule.one_f_one_b(4, 8)
+    f = lambda *i: [Task(0, j, "F") for j in i]
+    b = lambda i: Task(0, i, "B")
+    assert s.device_order(0) == f(0, 1, 2, 3) + [b(0), *f(4), b(1), *f(5), b(2), *f(6), b(3), *f(7),
+                                                b(4), b(5), b(6), b(7)]
+    assert s.device_order(3)[:5] == [Task(3, 0, "F"), Task(3, 0, "B"), Task(3, 1, "F"),
+                                     Task(3, 1, "B"), Task(3, 2, "F")]
+
+
+def test_in_flight_micro_batches():
+    assert Schedule.one_f_one_b(4, 16).max_in_flight(0) == 4
+    assert Schedule.gpipe(4, 16).max_in_flight(0) == 16
+    for K, M in itertools.product(range(1, 7), range(1, 17)):
+        s = Schedule.one_f_one_b(K, M)
+        assert [s.max_in_flight(j) for j in range(K)] == [min(M, K - j) for j in range(K)]
+        assert s.forward_only().max_in_flight(0) == M
+
+
+def test_interleaved_in_flight_per_device_is_megatrons_warmup_plus_one():
+    """Megatron's interleaved warm-up on device d is (v-1)*K + 2*(K-d-1) forwards (torch:
+    _get_warmup_ops); then F,B pairs keep one more in flight, never more than all v*M."""
+    for K, v, M in itertools.product(range(1, 7), (2, 3), range(1, 17)):
+        if not interleavable(K, M):
+            continue
+        s, per_round = Schedule.interleaved(K, v, M), M // max(1, M // K)
+        for d in range(K):
+            live = peak = 0
+            for t in s.device_order(d):
+                live += 1 if t.kind == "F" else -1
+                peak = max(peak, live)
+            assert peak == min(v * M, (v - 1) * per_round + 2 * (K - d - 1) + 1)
+
+
+# -- makespans: what is actually true, with unit tasks F=1, B=2 ---------------------
+
+def test_makespan_and_bubble_formulas():
+    """GPipe and 1F1B take (M+K-1)(tf+tb); 1F1B saves memory, not time. Interleaving v
+    stages per device (each F=1, B=2 for 1/v of the layers) takes v*M + K - 1 steps when
+    M >= K, so the bubble relative to the work is (K-1)/(v*M) instead of (K-1)/M
+    (Megatron-LM sec. 2.2.1); with M < K it is latency bound: v*K + M - 1 steps."""
+    for K, M in itertools.product(range(1, 7), range(1, 17)):
+        g, f = Schedule.gpipe(K, M), Schedule.one_f_one_b(K, M)
+        assert run_in_order(g) == run_in_order(f) == 3 * (M + K - 1)
+        assert len(g.cycles) == len(f.cycles) == 2 * (M + K - 1)
+        assert g.bubble_fraction == pytest.approx(f.bubble_fraction) == pytest.approx((K - 1) / (M + K - 1))
+        for v in (2, 3):
+            if not interleavable(K, M):
+                continue
+            s = Schedule.interleaved(K, v, M)
+            steps = v * max(M, K) + min(M, K) - 1
+            assert run_in_order(s) == 3 * steps
+            assert len(s.cycles) == 2 * steps
+            assert s.bubble_fraction == pytest.approx(1 - v * M / steps)
+            # the same model on 1F1B: each of the K stages is v chunks' work
+            one_f_one_b = run_in_order(f, tf=v, tb=2 * v)
+            assert run_in_order(s) <= one_f_one_b
+            assert (run_in_order(s) < one_f_one_b) == (K > 1 and M > 1)
+            if M >= K:
+                assert (run_in_order(s) - 3 * v * M) / (3 * v * M) == pytest.approx((K - 1) / (v * M))
+
+
+# -- interleaved: torch's table, build() and its errors ----------------------------
+
+def test_interleaved_orders_match_torch():
+    """Our device orders are torch's ScheduleInterleaved1F1B rank orders, no-ops dropped."""
+    schedules_mod = pytest.importorskip("torch.distributed.pipelining.schedules")
+    calc = getattr(schedules_mod.ScheduleInterleaved1F1B, "_calculate_single_rank_operations", None)
+    if calc is None:
+        pytest.skip("torch's private schedule table moved")
+    for K, v, M in [(2, 2, 4), (4, 2, 8), (4, 3, 16), (3, 2, 2), (4, 2, 10), (1, 3, 5)]:
+        ours = Schedule.interleaved(K, v, M)
+        fake = types.SimpleNamespace(n_local_stages=v, pp_group_size=K, _n_microbatches=M,
+                                     microbatches_per_round=M // max(1, M // K))
+        for d in range(K):
+            theirs = [(a.stage_index, a.microbatch_index, "F" if a.computation_type.name == "FORWARD" else "B")
+                      for a in calc(fake, d) if a is not None]
+            assert [(t.stage, t.micro_batch, t.kind) for t in ours.device_order(d)] == theirs
+
+
+def test_build_by_name_and_errors():
+    assert Schedule.build("gpipe", 3, 5) == Schedule.gpipe(3, 5)
+    assert Schedule.build("1f1b", 3, 5) == Schedule.one_f_one_b(3, 5)
+    s = Schedule.build("interleaved", 4, 8, virtual_stages=2)
+    assert (s.name, s.n_stages, s.n_devices, s.chunks) == ("interleaved", 8, 4, 8)
+    assert s.stages_on(1) == [1, 5] and s.device_of(6) == 2
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b, interleaved"):
+        Schedule.build("pipedream", 4, 8)
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        Schedule.build("interleaved", 4, 8)
+    with pytest.raises(ValueError, match="one stage per device"):
+        Schedule.build("1f1b", 4, 8, virtual_stages=2)
+    with pytest.raises(ValueError, match="chunks=16, n_devices=3.*multiple of n_devices.*15 and 18"):
+        Schedule.build("interleaved", 3, 16, virtual_stages=2)
+    with pytest.raises(ValueError, match="at least one"):
+        Schedule.build("interleaved", 0, 4, virtual_stages=2)

@@ -1,0 +1,10 @@
+"""Every exception a user of autopipe may catch, in one place (each is defined beside the code that raises it)."""
+from autopipe.passes.partition import NoFeasiblePlan
+from autopipe.passes.trace import BatchSpecialised, InputMismatch, TraceError
+from autopipe.random_ops import UnroutedRandomOp
+from autopipe.runtime.executor import StageFailure
+from autopipe.runtime.microbatch import BatchMismatch
+from autopipe.runtime.p2p import PipelineError
+
+__all__ = ["BatchMismatch", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure",
+           "TraceError", "UnroutedRandomOp"]

@@ -1,0 +1,246 @@
+"""One task context: a stage's forward or backward for one micro-batch, for every transport.
+
+Both runtimes (threads in one process, one process per stage under torchrun)
+run their stages through :class:`StageRunner`, so re-materialisation, random
+streams, BatchNorm buffers and gradients behave the same whichever way the
+tensors travel (docs/architecture.md, "Runtime").
+
+Re-materialisation (GPipe, Huang et al. 2019, sec. 2.3): a checkpointed
+micro-batch runs its forward with grad mode ON, like the recompute will, and
+drops the graph at once; the recompute then runs the same kernels on the same
+inputs with the same random stream, so it reproduces the forward bit for bit.
+(Running the first forward under ``no_grad`` is not enough: some models, e.g.
+T5 on CPU, pick other kernels without grad mode and differ by ~1e-6.) This is
+also what ``torch.utils.checkpoint`` does (non-reentrant: grad mode on, saved
+tensors dropped); the recompute here is explicit so it can run before the
+gradient arrives, off the critical path.
+
+Randomness: codegen gives every random op of a stage a ``generator`` argument
+(passes/codegen.py); each (stage, micro-batch) task seeds that generator from
+the step's seed, so forward and recompute draw the same numbers and a seeded
+run is reproducible whatever the thread timing.
+
+Gradients: each task computes the gradients of its stage's inputs and
+parameters with ``torch.autograd.grad``; parameter gradients are summed per
+stage in schedule order and across stages in stage order, so a seeded step is
+bitwise reproducible (tied weights too), and the caller's autograd call
+(``backward()``, ``backward(inputs=...)``, ``torch.autograd.grad``) decides
+where they land.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .batchnorm import DeferredBatchNorm, DeferredStatistics
+from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
+from .timeline import Timeline
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpoints(mode: str, micro_batch: int, chunks: int) -> bool:
+    """Whether this micro-batch is recomputed in backward (torchgpipe's modes)."""
+    return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
+
+
+def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
+    digest = hashlib.blake2b(f"{step_seed}:{stage}:{micro_batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+@dataclass
+class Ambient:
+    """The caller's thread-local state that must hold inside every task, on whichever thread it runs.
+
+    Grad mode is decided per task; autocast, inference mode and saved-tensor hooks
+    (``torch.autograd.graph.save_on_cpu``...) are captured on the calling thread and
+    re-entered on the workers. A profiler or a user's TorchFunctionMode/TorchDispatchMode
+    sees only its own thread, so with one of those active the step runs inline on the
+    calling thread (``inline``)."""
+
+    autocast: dict[str, tuple[bool, torch.dtype]]
+    autocast_cache: bool
+    inference: bool
+    saved_tensors_hooks: tuple[Callable, Callable] | None
+    inline_reason: str | None
+
+    @classmethod
+    def capture(cls) -> "Ambient":
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        reason = None
+        if torch._C._autograd._profiler_enabled():
+            reason = "a profiler is active"
+        elif _get_current_function_mode_stack() or _get_current_dispatch_mode_stack():
+            reason = "a TorchFunctionMode/TorchDispatchMode is active"
+        return cls(
+            autocast={d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")},
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            inference=torch.is_inference_mode_enabled(),
+            saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+            inline_reason=reason,
+        )
+
+    def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
+        enabled, dtype = self.autocast.get(device.type, (False, None))
+        if enabled:
+            stack.enter_context(torch.autocast(device.type, dtype=dtype, cache_enabled=self.autocast_cache))
+        if self.saved_tensors_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
+
+
+@dataclass
+class StepState:
+    """What every task of one step shares."""
+
+    training: bool                  # a backward follows: build autograd graphs
+    random: bool                    # the model is in train mode: random ops draw from task generators
+    checkpoint: str
+    chunks: int
+    seed: int
+    ambient: Ambient
+    timeline: Timeline
+    memory: MemoryReport | None = None        # saved-bytes accounting, only when asked (it hooks every save)
+    deferred: DeferredStatistics | None = None
+
+    @classmethod
+    def start(cls, *, training: bool, random: bool, checkpoint: str, chunks: int, n_stages: int,
+              deferred_model: torch.nn.Module | None, track_memory: bool) -> "StepState":
+        seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
+        return cls(training=training, random=random, checkpoint=checkpoint if training else "never", chunks=chunks,
+                   seed=seed, ambient=Ambient.capture(), timeline=Timeline(n_stages, chunks),
+                   memory=MemoryReport([StageMemory() for _ in range(n_stages)], checkpoint) if track_memory else None,
+                   deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None)
+
+    def recomputes(self, micro_batch: int) -> bool:
+        return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
+
+
+@dataclass
+class _Saved:
+    inputs: list
+    outputs: list | None   # None: dropped, to be recomputed
+
+
+@dataclass
+class StageRunner:
+    """Runs one stage's tasks (see module docstring); one per stage and compiled program."""
+
+    stage: Any                                     # passes.codegen.Stage
+    params: list[torch.nn.Parameter] = field(init=False)
+    generator: torch.Generator | None = field(init=False)
+    param_ids: set[int] = field(init=False)
+
+    def __post_init__(self):
+        unique = {id(p): p for p in self.stage.parameters()}
+        self.params = list(unique.values())
+        self.generator = torch.Generator(device=self.stage.device) if self.stage.uses_rng else None
+        self.param_ids = {p.untyped_storage().data_ptr() for p in self.params}
+        self.saved: dict[int, _Saved] = {}
+        self.param_grads: list[torch.Tensor | None] = []
+        self._owned: list[bool] = []  # param_grads[k] is a sum this runner made, safe to add to in place
+
+    @property
+    def index(self) -> int:
+        return self.stage.index
+
+    def start_step(self) -> None:
+        self.saved.clear()
+        self.param_grads = [None] * len(self.params)
+        self._owned = [False] * len(self.params)
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
+        """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
+        inputs = [x.detach().requires_grad_(g and differentiable(x)) if isinstance(x, torch.Tensor) else x
+                  for x, g in zip(inputs, needs_grad)]
+        keep = step.training and not step.recomputes(i)
+        with step.timeline.span(self.index, i, "forward"):
+            outputs = self._run(step, i, inputs, first=True)
+        if step.training:
+            self.saved[i] = _Saved(inputs, outputs if keep else None)
+        return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+
+    def rematerialise(self, step: StepState, i: int) -> None:
+        """The forward again, from the saved inputs: before the gradient arrives, off the critical path."""
+        saved = self.saved[i]
+        if saved.outputs is None:
+            with step.timeline.span(self.index, i, "recompute"):
+                snapshot = [(b, b.clone()) for b in self.stage.running_buffers] if self.stage.training else []
+                saved.outputs = self._run(step, i, saved.inputs, first=False)
+                # Running statistics move once per micro-batch, in the forward. Through .data: the
+                # recompute's graph saved these buffers, and a tracked write would fail its backward.
+                for buffer, before in snapshot:
+                    buffer.data.copy_(before)
+
+    def _run(self, step: StepState, i: int, inputs: list, first: bool) -> list:
+        stage = self.stage
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(step.training))
+            if step.ambient.inference and not step.training:
+                stack.enter_context(torch.inference_mode())
+            if stage.device.type == "cuda":
+                stack.enter_context(torch.cuda.device(stage.device))
+            step.ambient.enter(stack, stage.device)
+            if step.deferred is not None and stage.running_buffers:
+                stack.enter_context(DeferredBatchNorm(step.deferred, accumulate=first))
+            counter = None
+            if step.memory is not None and step.training:
+                counter = stack.enter_context(SavedBytes(self.param_ids))
+            if self.generator is not None:
+                self.generator.manual_seed(task_seed(step.seed, stage.index, i))
+                outputs = stage(*inputs, generator=self.generator)
+            else:
+                outputs = stage(*inputs)
+        if counter is not None:
+            if first:
+                kept = counter.total if not step.recomputes(i) else tensor_bytes(inputs)
+                step.memory.add_kept(stage.index, kept)
+            if not first or step.recomputes(i):
+                step.memory.add_recompute(stage.index, counter.total)
+        return list(outputs)
+
+    # -- backward -----------------------------------------------------------------
+    def backward(self, step: StepState, i: int, output_grads: list) -> list:
+        """Gradients of the stage's inputs for micro-batch ``i`` (None where there is none);
+        parameter gradients are added to ``self.param_grads`` in the order tasks run."""
+        self.rematerialise(step, i)
+        saved = self.saved.pop(i)
+        roots, grads = [], []
+        for out, g in zip(saved.outputs, output_grads):
+            if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                roots.append(out)
+                grads.append(g if g.device == out.device else g.to(out.device))
+        wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        wrt_params = [k for k, p in enumerate(self.params) if p.requires_grad]
+        input_grads: list = [None] * len(saved.inputs)
+        if not roots or not (wrt_inputs or wrt_params):
+            return input_grads
+        wrt = [saved.inputs[k] for k in wrt_inputs] + [self.params[k] for k in wrt_params]
+        with step.timeline.span(self.index, i, "backward"), contextlib.ExitStack() as stack:
+            if self.stage.device.type == "cuda":
+                stack.enter_context(torch.cuda.device(self.stage.device))
+            step.ambient.enter(stack, self.stage.device)
+            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        for k, g in zip(wrt_inputs, got):
+            input_grads[k] = g
+        for k, g in zip(wrt_params, got[len(wrt_inputs):]):
+            if g is None:
+                continue
+            previous = self.param_grads[k]
+            if previous is None:
+                self.param_grads[k] = g
+            elif self._owned[k]:
+                previous.add_(g)
+            else:
+                self.param_grads[k], self._owned[k] = previous + g, True
+        return input_grads

@@ -1,0 +1,214 @@
+"""The in-process transport: one worker thread per device, tensors handed over through a mailbox.
+
+Threads, not processes: stages share the model's Parameter objects and the
+caller's autograd graph. On CPU each worker is its own "device" and sets its
+own intra-op thread count when it starts (ATen keeps the OpenMP thread count
+per thread; a new thread takes the last value set anywhere), so K workers with
+cores // K threads each do not oversubscribe the cores and the caller's own
+setting is left alone.
+
+A value waits in the mailbox as a Future, so a task blocks only on what it
+reads (a tensor that skips stages goes straight to its consumer). The
+gradient of a value read by several stages (and by the model's output) is
+summed in a fixed order, consumers by stage index and the output last, once
+all have answered: seeded runs are bitwise reproducible.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .executor import StageFailure, Transport
+from .task import differentiable
+
+OUTPUT = 1 << 30   # the model's output as a gradient contributor: after every stage
+
+
+class Worker:
+    """A thread that runs submitted functions in order, on its device, with its thread count."""
+
+    def __init__(self, device: torch.device, name: str, intra_op_threads: int | None = None):
+        self.device = torch.device(device)
+        self.name = name
+        self.intra_op_threads = intra_op_threads
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._tasks.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if self.intra_op_threads:
+                torch.set_num_threads(self.intra_op_threads)
+        except BaseException as e:  # a worker that cannot start fails its tasks rather than hanging the caller
+            startup_error = e
+        else:
+            startup_error = None
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    if startup_error is not None:
+                        raise RuntimeError(f"worker {self.name} on {self.device} could not start") from startup_error
+                    future.set_result(fn())
+                except BaseException as e:  # handed to the caller, who re-raises it
+                    future.set_exception(e)
+                    del e
+            del item, fn, future  # the closure holds the step: let it be collected
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._tasks.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+class Mailbox(Transport):
+    """One step's values and gradients, keyed by (micro-batch, name); plans may differ per micro-batch
+    (a model traced at a static micro-batch size has one program per size)."""
+
+    def __init__(self, programs: Sequence[Any], inputs: list[list[torch.Tensor]], input_grad: list[bool]):
+        self.programs = programs                   # per micro-batch: the Program (plan + stages) it runs
+        self.values: dict[tuple[int, str], Future] = {}
+        self.needs_grad: dict[tuple[int, str], bool] = {}
+        self.grad_parts: dict[tuple[int, str], dict[int, torch.Tensor | None]] = {}
+        self.grads: dict[tuple[int, str], Future] = {}
+        self.lock = threading.Lock()
+        self.aborted = False
+        for i, row in enumerate(inputs):
+            for name, value, grad in zip(programs[i].plan.graph_inputs, row, input_grad):
+                self._resolved(i, name, value, grad and differentiable(value))
+
+    def _resolved(self, i: int, name: str, value: Any, grad: bool) -> None:
+        future: Future = Future()
+        future.set_result(value)
+        self.values[(i, name)] = future
+        self.needs_grad[(i, name)] = grad
+
+    def _future(self, table: dict, key) -> Future:
+        with self.lock:
+            future = table.get(key)
+            if future is None:
+                future = table[key] = Future()
+                if self.aborted:
+                    future.set_exception(StageFailure("another task of this step failed"))
+            return future
+
+    # -- forward -------------------------------------------------------------
+    def inputs(self, stage: int, i: int):
+        names = self.programs[i].stages[stage].input_names
+        values = [self._future(self.values, (i, n)).result() for n in names]
+        return values, [self.needs_grad.get((i, n), False) for n in names]
+
+    def send_outputs(self, stage: int, i: int, outputs: list) -> None:
+        for name, value in zip(self.programs[i].stages[stage].output_names, outputs):
+            self.needs_grad[(i, name)] = differentiable(value)
+            self._future(self.values, (i, name)).set_result(value)
+
+    def value(self, i: int, name: str):
+        return self._future(self.values, (i, name)).result()
+
+    def finals(self, i: int) -> list:
+        return [self.value(i, n) for n in self.programs[i].plan.graph_outputs]
+
+    # -- backward ------------------------------------------------------------
+    def output_grads(self, stage: int, i: int) -> list:
+        return [self._future(self.grads, (i, n)).result() if self.needs_grad.get((i, n)) else None
+                for n in self.programs[i].stages[stage].output_names]
+
+    def send_input_grads(self, stage: int, i: int, grads: list) -> None:
+        for name, g in zip(self.programs[i].stages[stage].input_names, grads):
+            self.contribute(i, name, stage, g)
+
+    def send_final_grads(self, i: int, grads: list) -> None:
+        for name, g in zip(self.programs[i].plan.graph_outputs, grads):
+            self.contribute(i, name, OUTPUT, g)
+
+    def contribute(self, i: int, name: str, who: int, grad: torch.Tensor | None) -> None:
+        """One reader's gradient for a value; summed in a fixed order once every reader answered."""
+        info = self.programs[i].plan.tensors.get(name)
+        readers = set(info.consumers) | ({OUTPUT} if info.is_output else set()) if info else {who}
+        with self.lock:
+            parts = self.grad_parts.setdefault((i, name), {})
+            parts[who] = grad
+            if len(parts) < len(readers):
+                return
+            del self.grad_parts[(i, name)]
+        total = None
+        for _, g in sorted(parts.items(), key=lambda kv: kv[0]):
+            if g is not None:
+                total = g if total is None else total + (g if g.device == total.device else g.to(total.device))
+        self._future(self.grads, (i, name)).set_result(total)
+
+    def grad(self, i: int, name: str) -> torch.Tensor | None:
+        """The summed gradient of a graph input (after the backward phase)."""
+        future = self.grads.get((i, name))
+        return future.result() if future is not None and future.done() else None
+
+    # -- failure ----------------------------------------------------------------
+    def abort(self) -> None:
+        """Wake every task waiting on a value that will never come."""
+        with self.lock:
+            self.aborted = True
+            pending = [f for table in (self.values, self.grads) for f in table.values() if not f.done()]
+        for f in pending:
+            if not f.done():
+                try:
+                    f.set_exception(StageFailure("another task of this step failed"))
+                except Exception:  # resolved meanwhile
+                    pass
+
+
+def run_on_workers(workers: Sequence[Worker], jobs: Sequence[Callable[[], None]], mailbox: Mailbox) -> None:
+    """Run one job per worker; the first failure aborts the others and is raised as it was."""
+    failure: list[BaseException] = []
+
+    def guarded(job):
+        def run():
+            try:
+                job()
+            except BaseException as e:
+                if not isinstance(e, StageFailure):
+                    failure.append(e)
+                mailbox.abort()
+                raise
+        return run
+
+    futures = [w.submit(guarded(job)) for w, job in zip(workers, jobs)]
+    try:
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            if any(f.done() and f.exception() is not None for f in futures):
+                break
+        wait(futures)
+    except KeyboardInterrupt:
+        mailbox.abort()
+        wait(futures)
+        raise
+    if failure:
+        raise failure[0]
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()

@@ -1,0 +1,218 @@
+"""passes/trace.py: models that bake the batch size into their Python (diffusion UNets broadcasting
+a timestep to the batch) fail fx and the dynamic-batch export with ``BatchSpecialised``, and trace at
+a static micro-batch size with ``static_batch``; and tracing leaves torch's global state as it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.global_state import differences, snapshot
+from autopipe.passes.trace import BatchSpecialised, TraceError, _specialises_batch, trace
+
+
+class TinyUNet(nn.Module):
+    """Diffusion-UNet-shaped, with the batch handling such models have: a 0-dim timestep broadcast
+    to the batch with ``len(x)`` (a Python int: export specialises the batch to it), shape-driven
+    control flow (fx cannot trace it), a time embedding repeated over the image."""
+
+    def __init__(self, channels=3, width=8):
+        super().__init__()
+        self.time_embed = nn.Sequential(nn.Linear(1, width), nn.SiLU(), nn.Linear(width, width))
+        self.conv_in = nn.Conv2d(channels, width, 3, padding=1)
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.mid = nn.GroupNorm(4, 2 * width)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.conv_out = nn.Conv2d(2 * width, channels, 3, padding=1)
+
+    def forward(self, x, timesteps):
+        t = timesteps
+        if t.dim() == 0:
+            t = t[None]
+        if t.shape[0] != len(x):
+            t = t.expand(len(x))
+        emb = self.time_embed(t[:, None].to(x.dtype))[:, :, None, None].repeat(1, 1, *x.shape[2:])
+        h = self.conv_in(x) + emb
+        d = self.mid(self.down(nn.functional.silu(h)))
+        return self.conv_out(torch.cat([self.up(d), h], 1))
+
+
+def _unet(rows=4):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = TinyUNet().double().eval()
+        x = torch.randn(rows, 3, 8, 8, dtype=torch.float64)
+    return model, x, torch.tensor(10.0, dtype=torch.float64)
+
+
+def _run(traced, *args):
+    return traced.rebuild_output(traced.graph_module(*traced.flat_inputs(args, {})))
+
+
+def test_fx_fails_on_the_unet():
+    model, x, t = _unet()
+    with pytest.raises(TraceError, match="control flow") as info:
+        trace(model, (x, t), route="fx")
+    assert not isinstance(info.value, BatchSpecialised)
+
+
+@pytest.mark.parametrize("route", ["auto", "export"])
+def test_dynamic_export_finds_the_batch_specialised(route):
+    model, x, t = _unet()
+    before = snapshot()
+    with pytest.raises(BatchSpecialised) as info:
+        trace(model, (x, t), route=route)
+    error = info.value
+    assert isinstance(error, TraceError)
+    assert error.batch_size == 4
+    routes = [name for name, _ in error.errors]
+    assert routes == (["torch.fx.symbolic_trace"] if route == "auto" else []) + [
+        "torch.export (non-strict, dynamic batch)"]
+    message = str(error)
+    assert "static_batch" in message and "Constraints violated" in message
+    if route == "auto":
+        assert "symbolically traced variables cannot be used as inputs to control flow" in message
+    assert differences(before, snapshot()) == []
+
+
+@pytest.mark.parametrize("rows", [2, 3, 1])
+def test_static_batch_traces_a_graph_for_that_many_rows(rows):
+    model, x, t = _unet(rows=5)
+    traced = trace(model, (x, t), static_batch=rows)
+    assert traced.route == "export-static"
+    assert traced.static_batch == rows and traced.batch_size == rows
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.name == "x":
+            assert tuple(node.meta["val"].shape) == (rows, 3, 8, 8)  # a constant, no batch symbol
+    for start in (0, 5 - rows):  # any rows of the batch, not only the traced ones
+        part = x[start:start + rows]
+        torch.testing.assert_close(_run(traced, part, t), model(part, t), rtol=0, atol=1e-12)
+
+
+def test_static_batch_graph_gives_the_models_gradients_on_its_own_parameters():
+    model, x, t = _unet()
+    traced = trace(model, (x, t), static_batch=2)
+    model(x[:2], t).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    _run(traced, x[:2], t).square().sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=1e-12, msg=n)
+
+
+def test_static_batch_on_a_batch_generic_model_works_too():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+        x = torch.randn(6, 4, dtype=torch.float64)
+    traced = trace(model, (x,), static_batch=3)
+    assert traced.route == "export-static" and traced.batch_size == 3
+    torch.testing.assert_close(_run(traced, x[3:]), model(x[3:]), rtol=0, atol=1e-12)
+    assert trace(model, (x,)).static_batch is None  # and by default the batch stays dynamic
+
+
+@pytest.mark.parametrize("bad, route, match", [
+    (0, "auto", "positive int"), (True, "auto", "positive int"), (2.0, "auto", "positive int"),
+    (5, "auto", "more rows"), (2, "fx", "route='auto' or 'export'"),
+])
+def test_static_batch_arguments_are_checked(bad, route, match):
+    model, x, t = _unet()
+    with pytest.raises(ValueError, match=match):
+        trace(model, (x, t), static_batch=bad, route=route)
+
+
+def test_other_export_failures_are_not_batch_specialisation():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow: neither fx nor export
+                return x * 2
+            return x
+
+    with pytest.raises(TraceError) as info:
+        trace(DataDependent(), (torch.ones(4, 3),))
+    assert not isinstance(info.value, BatchSpecialised)
+
+
+def test_batch_specialisation_is_recognised_by_type_not_only_by_message():
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    cause = UserError(UserErrorType.CONSTRAINT_VIOLATION, "the wording of a future torch")
+    wrapped = RuntimeError("export failed")
+    wrapped.__cause__ = cause
+    assert _specialises_batch(wrapped)
+    assert not _specialises_batch(RuntimeError("export failed"))
+    assert not _specialises_batch(UserError(UserErrorType.DYNAMIC_CONTROL_FLOW, "if x.sum() > 0"))
+
+
+# -- global state -----------------------------------------------------------------------------------
+
+class LeavesGradOff(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        torch.set_grad_enabled(False)  # runs while fx traces: a leak into the caller
+        return self.linear(x)
+
+
+class ChangesDtypeThenFails(nn.Module):
+    def forward(self, x):
+        torch.set_default_dtype(torch.float64)
+        torch.manual_seed(123)
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_trace_puts_back_what_the_models_python_changed():
+    model = LeavesGradOff()
+    before = snapshot()
+    traced = trace(model, (torch.ones(2, 3),), route="fx")
+    assert torch.is_grad_enabled()
+    assert differences(before, snapshot()) == []
+    assert any("grad mode" in note for note in traced.notes)
+
+
+def test_trace_puts_back_global_state_when_it_raises():
+    before = snapshot()
+    with pytest.raises(TraceError):
+        trace(ChangesDtypeThenFails(), (torch.ones(2, 3),))
+    assert torch.get_default_dtype() == torch.float32
+    assert differences(before, snapshot()) == []
+
+
+# -- diffusers ----------------------------------------------------------------------------------------
+
+def _diffusers_unet():
+    diffusers = pytest.importorskip("diffusers")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = diffusers.UNet2DModel(
+            sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,
+            norm_num_groups=4, attention_head_dim=4, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D")).double().eval()
+        x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
+    return model, x, torch.tensor(10)
+
+
+def test_diffusers_unet_specialises_on_the_batch():
+    """UNet2DModel: fx fails (len() on a proxy in get_timestep_embedding); the dynamic export fails
+    with a constraint on the batch (Upsample2D's ``if hidden_states.shape[0] >= 64``)."""
+    model, x, t = _diffusers_unet()
+    with pytest.raises(BatchSpecialised) as info:
+        trace(model, (x, t))
+    assert [name for name, _ in info.value.errors] == ["torch.fx.symbolic_trace",
+                                                       "torch.export (non-strict, dynamic batch)"]
+    assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_diffusers_unet_traces_at_a_static_batch(rows):
+    model, x, t = _diffusers_unet()
+    traced = trace(model, (x, t), static_batch=rows)
+    assert traced.route == "export-static" and traced.batch_size == rows
+    part = x[5 - rows:]
+    got, want = _run(traced, part, t), model(part, t)
+    assert type(got) is type(want)
+    torch.testing.assert_close(got.sample, want.sample, rtol=0, atol=1e-12)
