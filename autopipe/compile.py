@@ -122,7 +122,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     Leaves the caller's global state (grad mode, RNG, autocast, defaults) as it was, also when a
     pass raises. A model that specialises on the batch size is traced once per micro-batch size."""
     progress = progress or Progress(options.verbose)
-    with preserved_global_state():
+    # Planning under the caller's inference_mode would make the stages' constants inference tensors.
+    with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
         progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as "
                      f"{len(options.devices)} stages x {options.chunks} micro-batches")
@@ -244,8 +245,11 @@ def compile(
         options = Options.make([torch.device("cpu")] * n, chunks=chunks, balance=balance, checkpoint=checkpoint,
                                leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
                                verbose=verbose and int(os.environ.get("RANK", "0")) == 0)
+        if schedule == "interleaved":
+            raise NotImplementedError("schedule='interleaved' runs several stages per process; under torchrun "
+                                      "autopipe runs one stage per rank: use 'gpipe' or '1f1b'")
         pipe = DistributedPipeline(model, options, checkpoint, run_passes, data_parallel=data_parallel, timeout=timeout,
-                                   deferred_batch_norm=deferred_batch_norm)
+                                   deferred_batch_norm=deferred_batch_norm, schedule=schedule)
         if example_inputs is not None or example_kwargs:
             pipe.build(_as_tuple(example_inputs), example_kwargs or {})
         return pipe

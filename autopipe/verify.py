@@ -137,7 +137,7 @@ class Row:
 class Check:
     """One comparison: ``run`` against ``reference``, one training step each."""
 
-    name: str                          # "structure", "structure (eval)", "replay", "noise floor", ...
+    name: str                          # "structure", "micro-batching", "replay", "noise floor"
     run: str                           # what was run, in words
     reference: str                     # what it was compared with
     tolerance: float | None            # None: for information only, not part of the verdict
@@ -166,6 +166,8 @@ class Check:
         return max(self.rows, key=_sort_key) if self.rows else None
 
     def __str__(self) -> str:
+        if self.informational and not self.rows and self.error is None:
+            return f"[{self.name}] " + "; ".join(self.notes or ["nothing compared"])
         if self.informational:
             verdict = "info (not part of the verdict)"
         else:
@@ -237,8 +239,8 @@ class VerifyReport:
                 worst = max(plain, key=_sort_key) if plain else None
                 bound = "bit for bit" if c.tolerance == 0 else f"<= {c.tolerance:.0e}"
                 text = f"{c.name} {bound} (worst {_fmt(worst.rel) if worst else '-'})"
-                if own:
-                    w = max(own, key=_sort_key)
+                w = max(own, key=_sort_key) if own else None
+                if w is not None and w.rel > 0:
                     text += f", tied weights <= {w.tolerance:.0e} (worst {_fmt(w.rel)})"
                 parts.append(text)
             return "PASS: " + "; ".join(parts)
@@ -410,8 +412,7 @@ def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_toleranc
             row.tolerance = shared_tolerance
             stages = ", ".join(str(s) for s in shared[name])
             row.note = (row.note + "; " if row.note else "") + (
-                f"held by stages {stages}: summed across workers in thread-timing order, "
-                f"bound {shared_tolerance:.0e}")
+                f"held by stages {stages} (tied): bound {shared_tolerance:.0e}")
         rows.append(row)
     grad_rows = [r for r in rows if r.kind == "grad" and math.isfinite(r.max_abs_ref)]
     largest = max((r.max_abs_ref for r in grad_rows), default=0.0)
@@ -826,7 +827,8 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             + f"the replay part compares the pipeline with itself in {mode_name} mode, same seed, bit for bit")
     if compare_mode is None:
         report.structure.append(Check("structure", "-", "-", None,
-                                      notes=["skipped: no mode in which the model is deterministic"]))
+                                      notes=["skipped: the model is random in eval mode too, so no mode compares "
+                                             "with the plain model"]))
     else:
         compare_name = "train" if compare_mode else "eval"
         extra = " (dropout off)" if random else ""
@@ -862,14 +864,14 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         f"pipeline checkpoint='never' (nothing re-materialised), {one}", 0.0,
         lambda: runner.pipeline(own, "always", threads=1), never_own,
         shared_tolerance=SHARED_GRAD_TOLERANCE.get(own, 1e-5)))
-    if any(r.tolerance is not None for r in report.replay[-1].rows):
+    if any(r.tolerance is not None and r.rel > 0 for r in report.replay[-1].rows):
         report.replay[-1].notes.append(
-            "a parameter that several stages hold (tied weights) gets its gradient summed from several workers in an "
-            "order that depends on thread timing: two runs of the same mode differ in the last bits, so its rows "
-            "have a float bound")
+            "a parameter that several stages hold (tied weights) gets its gradient summed from several workers; "
+            "summed in an order that depends on thread timing, two runs of the same mode differ in its last bits, "
+            "so its rows have a float bound")
     if random:
         report.replay.append(Check("noise floor", "-", "-", None,
-                                   notes=["not shown: the model draws random numbers, so the plain model's draws "
+                                   notes=["not shown: the model draws random numbers, and the plain model's draws "
                                           "differ from the pipeline's"]))
     else:
         report.replay.append(Check(

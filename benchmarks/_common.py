@@ -80,6 +80,10 @@ class Timings:
     def median(self, name: str) -> float:
         return statistics.median(self.seconds[name])
 
+    def fastest(self, name: str) -> float:
+        """The fastest timed round: for overheads on a pinned core, where noise only adds time."""
+        return min(self.seconds[name])
+
     def ratios(self, num: str, den: str) -> list[float]:
         """Per-round ``num / den`` (seconds), e.g. ``ratios("pipe", "plain")`` is the slowdown."""
         return [a / b for a, b in zip(self.seconds[num], self.seconds[den])]
@@ -114,11 +118,12 @@ def faster(t: "Timings", *names: str) -> str:
 
 
 def interleaved(variants: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
-                budget: float | None = None, label: str = "") -> Timings:
+                budget: float | None = None, label: str = "", verbose: bool = True) -> Timings:
     """Time each callable once per round, rotating the order every round; ``warmup`` rounds are dropped.
 
     With ``budget`` (seconds), rounds stop being added once the next one would end past the
-    budget and at least 3 (or ``repeats``, if fewer) rounds are timed."""
+    budget and at least 3 (or ``repeats``, if fewer) rounds are timed. ``verbose``: a progress
+    line per round on stderr."""
     names = list(variants)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     t_start = time.perf_counter()
@@ -146,8 +151,9 @@ def interleaved(variants: Mapping[str, Callable[[], object]], *, repeats: int, w
         r += 1
         elapsed = time.perf_counter() - t_start
         done = r - warmup
-        progress(f"  {label}round {r}/{total} ({'timed' if timed else 'warm-up'}) {round_s:.1f} s: "
-                 + ", ".join(f"{n} {times[n]:.3f}" for n in names))
+        if verbose:
+            progress(f"  {label}round {r}/{total} ({'timed' if timed else 'warm-up'}) {round_s:.1f} s: "
+                     + ", ".join(f"{n} {times[n]:.3f}" for n in names))
         if budget is not None and done >= min(3, repeats) and r < total and elapsed + round_s > budget:
             progress(f"  {label}stopping after {done} timed rounds: the {budget:.0f} s budget is spent")
             stopped = True

@@ -1,11 +1,15 @@
-"""GPipe over torch.distributed on CPU (gloo): plain vs p2p prototype vs torch.distributed.pipelining.
+"""GPipe and 1F1B over torch.distributed on CPU (gloo): plain vs autopipe vs torch.distributed.pipelining.
 
     python -m benchmarks.distributed                 # the side-by-side table (2 processes)
-    python -m benchmarks.distributed --check         # 3-rank correctness: skip edge, several
-                                                     # tensors per cut, int tensor, uneven split
-    python -m benchmarks.distributed --failures      # failure detection: raise / SIGKILL / hang
+    python -m benchmarks.distributed --quick         # tiny sizes, one step: a smoke test, not a measurement
     python -m benchmarks.distributed --sleep 1.2     # blocks sleep instead of computing: the
                                                      # schedules and transports alone, CPU-free
+
+Correctness and failure handling of the torchrun runtime are tests, not
+benchmark modes: tests/runtime/test_distributed.py (gradients equal the
+in-process pipeline's, data parallel, meta models) and tests/runtime/test_p2p.py
+(a rank raising, SIGKILLed or hanging past ``timeout`` ends every rank with a
+PipelineError naming it; the wire spec sends a skip straight to its reader).
 
 One run, 2 processes spawned on 127.0.0.1 with gloo, ``torch.set_num_threads(1)``
 in every process, ``transformer_like(blocks=4)`` (benchmarks/_models.py), batch
@@ -15,27 +19,27 @@ them 0.81x as fast, and no pipeline can hide that), no checkpointing, split at
 the middle block. Variants, interleaved step by step
 (order rotated every repetition), median over ``--steps`` steps after warm-up:
 
-- plain:      one process, one thread, the whole batch at once (rank 1 idles)
-- 1p xM:      one process running the batch as M micro-batches (the cost of
-              micro-batching alone, no pipeline)
-- 2p compute: both processes run their half on M micro-batches at once, with no
-              communication and no waiting: what two busy cores can do at best
-- p2p:        autopipe/runtime/p2p.py, ProcessGroup.send/recv directly
-- p2p-batch:  the same with dist.batch_isend_irecv (P2POp lists)
-- pipelining: torch.distributed.pipelining ScheduleGPipe + PipelineStage, the
-              split written by hand (shapes inferred at the warm-up step)
-- autopipe:   autopipe.compile(model, chunks=M) under the same process group: its own split
+- plain:           one process, one thread, the whole batch at once (rank 1 idles)
+- 1p xM:           one process running the batch as M micro-batches (the cost of
+                   micro-batching alone, no pipeline)
+- 2p compute:      both processes run their half on M micro-batches at once, with no
+                   communication and no waiting: what two busy cores can do at best
+- pipelining:      torch.distributed.pipelining ScheduleGPipe + PipelineStage, the
+                   split written by hand (shapes inferred at the warm-up step)
+- pipelining 1f1b: the same split under torch.distributed.pipelining's Schedule1F1B
+- autopipe:        autopipe.compile(model, chunks=M) under the same process group
+                   (autopipe.runtime.distributed.DistributedPipeline): its own split
+- autopipe 1f1b:   the same with schedule="1f1b"
 
-Speedups are plain / variant; "ideal" is 2M/(M+1) (GPipe bubble, 2 stages).
+Speedups are plain / variant; "ideal" is 2M/(M+1) (GPipe's bubble, 2 stages; 1F1B
+has the same bubble and keeps fewer micro-batches in flight).
 The machine is shared: compare rows of one run, never runs with each other.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import signal
 import statistics
 import sys
 import time
@@ -55,28 +59,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._models import transformer_like  # noqa: E402
 
-
-def _load_p2p():
-    """autopipe.runtime.p2p, by file path if the package is not importable
-    (the prototype is standalone; the package around it may be mid-edit)."""
-    try:
-        from autopipe.runtime import p2p  # type: ignore
-
-        return p2p
-    except Exception:  # noqa: BLE001
-        path = ROOT / "autopipe" / "runtime" / "p2p.py"
-        spec = importlib.util.spec_from_file_location("_autopipe_p2p", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["_autopipe_p2p"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-p2p = _load_p2p()
+VARIANTS = ("1p xM", "2p compute", "pipelining", "pipelining 1f1b", "autopipe", "autopipe 1f1b")
 
 
 # ---------------------------------------------------------------------------
-# the hand-written split (used by both p2p and torch.distributed.pipelining)
+# the hand-written split (torch.distributed.pipelining's rows)
 # ---------------------------------------------------------------------------
 class Front(nn.Module):
     """Stage 0: input projection and blocks[:k] of a TransformerLike."""
@@ -166,54 +153,40 @@ def half(model: nn.Module, rank: int) -> nn.Module:
     return Front(model, k) if rank == 0 else Back(model, k)
 
 
-def make_autopipe_step(model, x, y, chunks, rank, world):
-    """HOOK for the autopipe row: return a zero-argument callable that runs one
-    training step (forward + backward, no optimizer step) of ``model`` on this
-    rank, or None to leave the row out. ``model`` is this variant's own
-    full-size copy, identical to the plain one; ``x`` / ``y`` are the whole
-    batch (every rank has them). To be wired by the lead, along the lines of:
 
-        pipe = autopipe.compile(model, devices=world, chunks=chunks,
-                                transport="distributed", example_inputs=(x[:1],))
-        return lambda: pipe.step(x, target=y, loss_fn=F.mse_loss)
-
-    The gradient check below covers it too: after a step, the parameters of
-    ``model`` that this rank owns must hold the same gradients as the plain
-    model's (compared by name; parameters whose .grad is None are skipped).
-    """
+def make_autopipe_step(model, x, y, chunks, schedule):
+    """One training step (forward + backward, no optimizer step) of ``model`` through autopipe
+    on this rank: ``autopipe.compile`` under torch.distributed builds a DistributedPipeline
+    (one stage per rank, its own split). ``model`` is this variant's own full-size copy."""
     import autopipe
 
-    pipe = autopipe.compile(model, chunks=chunks, checkpoint="never", example_inputs=(x,))
+    # a SleepBlock sleeps for a time computed from its batch size, which no tracer can capture: keep it whole
+    leaf = (SleepBlock,) if isinstance(model, SleepModel) else ()
+    pipe = autopipe.compile(model, chunks=chunks, checkpoint="never", schedule=schedule, leaf_modules=leaf,
+                            example_inputs=(x,))
+    if getattr(pipe, "schedule_name", schedule) != schedule:
+        # autopipe.compile did not hand schedule= to the torchrun runtime: set it on the pipeline,
+        # which reads it at every step (and say so, so the table is not silently mislabelled)
+        if dist.get_rank() == 0:
+            print(f"note: autopipe.compile(schedule={schedule!r}) under torchrun gave schedule "
+                  f"{pipe.schedule_name!r}; set pipe.schedule_name = {schedule!r}", file=sys.stderr, flush=True)
+        pipe.schedule_name = schedule
 
     def step():
         pipe.zero_grad()  # as the other rows: each step's gradients alone
         return pipe.step(x, target=y, loss_fn=F.mse_loss)
-    return step
+    return step, pipe
 
 
 # ---------------------------------------------------------------------------
 # the timing run
 # ---------------------------------------------------------------------------
 def _init(rank, world, port, timeout_s=120.0):
+    """torchrun's environment contract (autopipe.compile reads WORLD_SIZE to plan one stage per rank)."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
-
-
-def _p2p_spec(B, M, d):
-    mb = B // M
-    return p2p.PipeSpec(
-        edges=[p2p.Edge("h", 0, (1,), (mb, d))],
-        stage_inputs=[("x",), ("h",)],
-        stage_outputs=[("h",), ("out",)],
-        batch_size=B,
-        chunks=M,
-    )
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 def _pingpong(rank, sizes=(512, 64 * 1024, 4 << 20), iters=200):
@@ -255,14 +228,16 @@ def _pingpong(rank, sizes=(512, 64 * 1024, 4 << 20), iters=200):
 
 
 def _bench_worker(rank, world, port, args, q):
+    pipes = []
     try:
         _init(rank, world, port)
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         B, d, Ms = args.batch, args.d, args.chunks
         g = torch.Generator().manual_seed(1)
         x = torch.randn(B, d, generator=g)
         y = torch.randn(B, d, generator=g)
+        wanted = set(args.variants)
 
         def build():
             if args.sleep:
@@ -308,47 +283,35 @@ def _bench_worker(rank, world, port, args, q):
 
             steps[("2p compute", M)] = compute_only
 
-            for ops in ("pg", "batch"):
+            for name, schedule_cls in (("pipelining", ScheduleGPipe), ("pipelining 1f1b", Schedule1F1B)):
+                if name not in wanted:
+                    continue
                 full = build()
                 st = half(full, rank)
-                pipe = p2p.P2PGPipe(st, _p2p_spec(B, M, d), ops=ops, name=f"bench_{ops}_{M}")
-                name = "p2p" if ops == "pg" else "p2p-batch"
+                # As the docs' examples write it: shapes inferred at the first step
+                # (a warm-up step), nothing else passed.
+                stage = PipelineStage(st, rank, world, torch.device("cpu"))
+                sched = schedule_cls(stage, n_microbatches=M, loss_fn=F.mse_loss)
 
-                def p2p_step(st=st, pipe=pipe):
+                def pp_step(st=st, sched=sched):
                     st.zero_grad(set_to_none=True)
-                    return pipe.step(
-                        {"x": x} if rank == 0 else None,
-                        target=y if rank == world - 1 else None,
-                        loss_fn=F.mse_loss,
-                    )
+                    if rank == 0:
+                        sched.step(x)
+                    else:
+                        sched.step(target=y, losses=[])
 
-                steps[(name, M)] = p2p_step
+                steps[(name, M)] = pp_step
                 owners[(name, M)] = full
 
-            full = build()
-            st = half(full, rank)
-            # As the docs' examples write it: shapes inferred at the first step
-            # (a warm-up step), nothing else passed.
-            stage = PipelineStage(st, rank, world, torch.device("cpu"))
-            sched = ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss)
+            for name, schedule in (("autopipe", "gpipe"), ("autopipe 1f1b", "1f1b")):
+                if name not in wanted:
+                    continue
+                full = build()
+                steps[(name, M)], pipe = make_autopipe_step(full, x, y, M, schedule)
+                owners[(name, M)] = full
+                pipes.append(pipe)
 
-            def pp_step(st=st, sched=sched):
-                st.zero_grad(set_to_none=True)
-                if rank == 0:
-                    sched.step(x)
-                else:
-                    sched.step(target=y, losses=[])
-
-            steps[("pipelining", M)] = pp_step
-            owners[("pipelining", M)] = full
-
-            full = build()
-            auto = make_autopipe_step(full, x, y, M, rank, world)
-            if auto is not None:
-                steps[("autopipe", M)] = auto
-                owners[("autopipe", M)] = full
-
-        keys = [k for k in steps if k[0] in ("plain", *args.variants)]
+        keys = [k for k in steps if k[0] == "plain" or k[0] in wanted]
         times: dict[tuple[str, int], list[float]] = {k: [] for k in keys}
         for rep in range(args.warmup + args.steps):
             order = keys[rep % len(keys):] + keys[: rep % len(keys)]  # rotate: no fixed neighbour
@@ -363,16 +326,14 @@ def _bench_worker(rank, world, port, args, q):
             if rank == 0 and args.verbose:
                 print(f"  rep {rep} done", flush=True)
 
-        # Gradient check: every pipelined variant's last step against the plain
-        # model's, on this rank's half. Loss is a mean, so p2p weights micro-batch
-        # losses by size/B and pipelining divides gradients by M (scale_grads).
+        # Gradient check: every pipelined variant's last step against the plain model's, on
+        # this rank's half. The loss is a mean, so autopipe weights micro-batch losses by
+        # size/B and pipelining divides gradients by M (scale_grads).
         plain.zero_grad(set_to_none=True)
         loss_fn(plain(x), y).backward()
         ref = dict(plain.named_parameters())
         gdiff = {}
         for k, full in owners.items():
-            if k not in keys:
-                continue
             steps[k]()
             mine = [(n, p) for n, p in full.named_parameters() if p.grad is not None]
             mx = max((p.grad - ref[n].grad).abs().max().item() for n, p in mine)
@@ -380,6 +341,8 @@ def _bench_worker(rank, world, port, args, q):
             gdiff[k] = (mx, scale, len(mine))
         ping = _pingpong(rank) if args.pingpong else {}
         q.put((rank, {k: statistics.median(v) for k, v in times.items()}, gdiff, ping))
+        for pipe in pipes:
+            pipe.close()
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -387,11 +350,20 @@ def _bench_worker(rank, world, port, args, q):
         raise
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def bench(args):
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     world = 2
-    procs = [ctx.Process(target=_bench_worker, args=(r, world, args.port, args, q)) for r in range(world)]
+    port = args.port or _free_port()
+    procs = [ctx.Process(target=_bench_worker, args=(r, world, port, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -409,47 +381,50 @@ def bench(args):
     t0, gd0, ping = results[0]
     _, gd1, _ = results[1]
     plain = t0[("plain", 0)]
-    variants = [v for v in ("1p xM", "2p compute", "p2p", "p2p-batch", "pipelining", "autopipe")
-                if any(k[0] == v for k in t0)]
+    variants = [v for v in VARIANTS if any(k[0] == v for k in t0)]
     model_desc = (
         f"SleepModel(d={args.d}, blocks={args.blocks}, {args.sleep:g} s of sleep per plain step)"
         if args.sleep
         else f"transformer_like(d={args.d}, hidden={args.hidden}, blocks={args.blocks})"
     )
+    if args.quick:
+        print("--quick: tiny sizes, a smoke test, NOT a measurement")
     print(
         f"{model_desc}, batch {args.batch}, "
-        f"2 gloo processes x 1 thread, split at block {args.blocks // 2}; median of {args.steps} steps "
+        f"2 gloo processes x 1 thread, hand split at block {args.blocks // 2}; median of {args.steps} steps "
         f"after {args.warmup} warm-up, variants interleaved (shared machine: compare within this run)"
     )
     print(f"plain 1-process 1-thread step: {plain:.3f} s")
-    head = f"{'M':>3} {'plain s':>8} | " + " | ".join(f"{v:>17}" for v in variants) + f" | {'ideal':>5}"
+    w = 17
+    head = f"{'M':>3} {'plain s':>8} | " + " | ".join(f"{v:>{w}}" for v in variants) + f" | {'ideal':>5}"
     print(head)
-    print(f"{'':>3} {'':>8} | " + " | ".join(f"{'s/step  speedup':>17}" for _ in variants) + " |")
+    print(f"{'':>3} {'':>8} | " + " | ".join(f"{'s/step  speedup':>{w}}" for _ in variants) + " |")
     for M in args.chunks:
         cells = []
         for v in variants:
             s = t0.get((v, M))
-            cells.append(f"{s:7.3f}  {plain / s:6.2f}x" if s else f"{'-':>17}")
-        print(f"{M:>3} {plain:8.3f} | " + " | ".join(f"{c:>17}" for c in cells) + f" | {2 * M / (M + 1):5.2f}")
+            cells.append(f"{s:7.3f}  {plain / s:6.2f}x" if s else f"{'-':>{w}}")
+        print(f"{M:>3} {plain:8.3f} | " + " | ".join(f"{c:>{w}}" for c in cells) + f" | {2 * M / (M + 1):5.2f}")
     print("(1p xM: one process running M micro-batches; its 'speedup' < 1 is the micro-batching cost)")
     print("(2p compute: each process runs its half on M micro-batches with no communication and no bubble)")
     print("against the ideal 2M/(M+1): speedup over plain / ideal; the pipeline alone = (t(1p xM) / t) / ideal;")
-    print("schedule + transport = t(2p compute) * (M+1)/M / t, i.e. 1.00 when only GPipe's bubble is lost")
+    print("schedule + transport = t(2p compute) * (M+1)/M / t, i.e. 1.00 when only the bubble is lost")
+    pipelined = [v for v in variants if v.startswith(("pipelining", "autopipe"))]
     for M in args.chunks:
         ideal = 2 * M / (M + 1)
-        cells = []
-        for v in ("pipelining", "autopipe"):
-            s, one, both = t0.get((v, M)), t0.get(("1p xM", M)), t0.get(("2p compute", M))
-            if s:
-                alone = f"{one / s / ideal:.2f}" if one else "-"
-                transport = f"{both * (M + 1) / M / s:.2f}" if both else "-"
-                cells.append(f"{v}: {plain / s / ideal:.2f}, alone {alone}, schedule+transport {transport}")
-        print(f"  M={M:<3} " + "   |   ".join(cells))
+        one, both = t0.get(("1p xM", M)), t0.get(("2p compute", M))
+        for v in pipelined:
+            s = t0.get((v, M))
+            if not s:
+                continue
+            alone = f"{one / s / ideal:.2f}" if one else "-"
+            transport = f"{both * (M + 1) / M / s:.2f}" if both else "-"
+            print(f"  M={M:<3} {v:<16} {plain / s / ideal:.2f} of ideal, alone {alone}, schedule+transport {transport}")
     print("gradients vs the plain model: max |diff| / max |grad| over the parameters each rank owns")
     for k in sorted(gd0, key=lambda k: (k[0], k[1])):
         a, sa, na = gd0[k]
         b, sb, nb = gd1[k]
-        print(f"  {k[0]:<11} M={k[1]:<3} rank 0 ({na} params) {a:.2e} / {sa:.2e} | rank 1 ({nb} params) {b:.2e} / {sb:.2e}")
+        print(f"  {k[0]:<16} M={k[1]:<3} rank 0 ({na} params) {a:.2e} / {sa:.2e} | rank 1 ({nb} params) {b:.2e} / {sb:.2e}")
     if ping:
         print("ping-pong round trip (rank 0 -> 1 -> 0), median, microseconds:")
         for nbytes in sorted({k[0] for k in ping}):
@@ -459,303 +434,10 @@ def bench(args):
             )
 
 
-# ---------------------------------------------------------------------------
-# --check: 3 ranks, skip connection, several tensors per cut, uneven split
-# ---------------------------------------------------------------------------
-class _SkipModel(nn.Module):
-    """x -> a -> (h, skip, idx); h,idx -> b -> h2; (h2, skip, w) -> c,d -> out.
-    'skip' goes from rank 0 to rank 2 directly; 'h' goes to ranks 1 and 2."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.a = nn.Linear(d, 2 * d)
-        self.b = nn.Linear(2 * d, d)
-        self.c = nn.Linear(d, d)
-        self.e = nn.Linear(2 * d, d)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-    def parts(self, x):
-        h = torch.tanh(self.a(x))
-        skip = h[:, : h.shape[1] // 2] * 2
-        idx = (x[:, :1] > 0).long()
-        return h, skip, idx
-
-    def forward(self, x, w):
-        h, skip, idx = self.parts(x)
-        h2 = torch.tanh(self.b(h)) + idx
-        return self.c(h2) + skip * w + self.e(h)
-
-
-class _S0(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.a = m.a
-
-    def forward(self, x):
-        return _SkipModel.parts(self, x)
-
-
-class _S1(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.b = m.b
-
-    def forward(self, h, idx):
-        return torch.tanh(self.b(h)) + idx
-
-
-class _S2(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.c, self.e = m.c, m.e
-
-    def forward(self, h2, skip, w, h):
-        return self.c(h2) + skip * w + self.e(h)
-
-
-def _check_worker(rank, world, port, q):
-    try:
-        _init(rank, world, port)
-        B, M, d = 13, 4, 16  # uneven: 4, 3, 3, 3
-        spec = p2p.PipeSpec(
-            edges=[
-                p2p.Edge("h", 0, (1, 2), (4, 2 * d)),
-                p2p.Edge("skip", 0, (2,), (4, d)),
-                p2p.Edge("idx", 0, (1,), (4, 1), torch.int64),
-                p2p.Edge("h2", 1, (2,), (4, d)),
-            ],
-            stage_inputs=[("x",), ("h", "idx"), ("h2", "skip", "w", "h")],
-            stage_outputs=[("h", "skip", "idx"), ("h2",), ("out",)],
-            batch_size=B,
-            chunks=M,
-        )
-        g = torch.Generator().manual_seed(1)
-        x, w, y = (torch.randn(B, d, generator=g) for _ in range(3))
-        m = _SkipModel(d)
-        st = [_S0, _S1, _S2][rank](m)
-        out = []
-        for ops in ("pg", "isend", "batch"):
-            pipe = p2p.P2PGPipe(st, spec, ops=ops, name=f"check_{ops}")
-            for _ in range(2):  # twice: buffers are reused across steps
-                st.zero_grad(set_to_none=True)
-                loss = pipe.step(
-                    {"x": x} if rank == 0 else ({"w": w} if rank == 2 else None), target=y, loss_fn=F.mse_loss
-                )
-            ref = _SkipModel(d)
-            lref = F.mse_loss(ref(x, w), y)
-            lref.backward()
-            rp = dict(ref.named_parameters())
-            gd = max((p.grad - rp[n].grad).abs().max().item() for n, p in st.named_parameters())
-            ld = None if loss is None else abs(loss.item() - lref.item())
-            out.append((ops, gd, ld))
-            pipe.close()
-        q.put((rank, out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        q.put((rank, traceback.format_exc()))
-        raise
-
-
-def check(args):
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_check_worker, args=(r, 3, args.port + 1, q)) for r in range(3)]
-    [p.start() for p in procs]
-    res = dict(q.get() for _ in range(3))
-    [p.join() for p in procs]
-    ok = True
-    for r in range(3):
-        if isinstance(res[r], str):
-            print(f"rank {r} failed:\n{res[r]}")
-            ok = False
-            continue
-        for ops, gd, ld in res[r]:
-            good = gd < 1e-5 and (ld is None or ld < 1e-5)
-            ok &= good
-            print(f"rank {r} ops={ops:<6} max|grad - ref| {gd:.1e}" + ("" if ld is None else f"  |loss - ref| {ld:.1e}")
-                  + ("" if good else "  MISMATCH"))
-    print("check:", "OK" if ok else "FAILED")
-    return ok
-
-
-# ---------------------------------------------------------------------------
-# --failures: inject a failure on one rank, time how long each rank takes to error
-# ---------------------------------------------------------------------------
-SCENARIOS = {
-    # name: (failing rank, phase, micro-batch, action)
-    "raise-fwd-r1": (1, "fwd", 3, "raise"),
-    "raise-loss-r2": (2, "loss", 5, "raise"),
-    "raise-bwd-r0": (0, "bwd", 2, "raise"),
-    "sigkill-r1": (1, "fwd", 3, "kill"),
-    "sigkill-r2-bwd": (2, "bwd", 4, "kill"),
-    "sigkill-r0 (store host)": (0, "fwd", 5, "kill"),
-    "hang-r1": (1, "fwd", 3, "hang"),
-    "no-target-r2": (2, "args", 0, "noarg"),  # a usage error: step() without target=
-}
-
-
-class _Inject(nn.Module):
-    """Wraps a stage; fires the scenario's action at the chosen micro-batch."""
-
-    def __init__(self, inner, action, phase, mb, t_inject):
-        super().__init__()
-        self.inner, self.action, self.phase, self.mb, self.t_inject = inner, action, phase, mb, t_inject
-        self.calls = 0
-        self.armed = False  # armed after a first good step
-
-    def fire(self):
-        self.t_inject.value = time.time()
-        if self.action == "raise":
-            raise ValueError(f"injected failure ({self.phase}, micro-batch {self.mb})")
-        if self.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.action == "hang":
-            time.sleep(3600)
-
-    def forward(self, *a):
-        i = self.calls
-        self.calls += 1
-        if self.armed and self.phase == "fwd" and i == self.mb:
-            self.fire()
-        out = self.inner(*a)
-        if self.armed and self.phase == "bwd" and i == self.mb:
-            out = _BwdHook.apply(out, self)
-        return out
-
-
-class _BwdHook(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, inj):
-        ctx.inj = inj
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.inj.fire()
-        return g, None
-
-
-def _failure_worker(rank, world, port, scenario, timeout_s, t_inject, q):
-    fr, phase, mb, action = SCENARIOS[scenario]
-    _init(rank, world, port, timeout_s=60)
-    B, M, d = 512, 8, 256
-    m = transformer_like(d, 1024, 6, seed=0)
-    k = [0, 2, 4, 6]
-    proj_or_none = [m.proj, None, None]
-
-    class St(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre = proj_or_none[rank]
-            self.blocks = nn.ModuleList(m.blocks[k[rank]:k[rank + 1]])
-            self.post = nn.Sequential(m.norm, m.head) if rank == world - 1 else None
-
-        def forward(self, h):
-            if self.pre is not None:
-                h = self.pre(h)
-            for b in self.blocks:
-                h = b(h)
-            return self.post(h) if self.post is not None else h
-
-    st = St()
-    mb_shape = (B // M, d)
-    spec = p2p.PipeSpec(
-        edges=[p2p.Edge("h1", 0, (1,), mb_shape), p2p.Edge("h2", 1, (2,), mb_shape)],
-        stage_inputs=[("x",), ("h1",), ("h2",)],
-        stage_outputs=[("h1",), ("h2",), ("out",)],
-        batch_size=B,
-        chunks=M,
-    )
-    loss_fn = F.mse_loss
-    if rank == fr and phase in ("fwd", "bwd"):
-        st = _Inject(st, action, phase, mb, t_inject)
-    armed = [False]
-    if rank == fr and phase == "loss":
-        calls = [0]
-
-        def loss_fn(o, t):  # noqa: F811
-            if armed[0] and calls[0] == mb:
-                t_inject.value = time.time()
-                raise ValueError(f"injected failure (loss, micro-batch {mb})")
-            calls[0] += 1
-            return F.mse_loss(o, t)
-
-    pipe = p2p.P2PGPipe(st, spec, timeout=timeout_s)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(B, d, generator=g), torch.randn(B, d, generator=g)
-    try:
-        pipe.step({"x": x} if rank == 0 else None, target=y, loss_fn=F.mse_loss)  # a good step first
-        if isinstance(st, _Inject):
-            st.calls, st.armed = 0, True
-        armed[0] = True
-        dist.barrier()
-        tgt = y
-        if rank == fr and action == "noarg":
-            tgt = None
-            t_inject.value = time.time()
-        pipe.step({"x": x} if rank == 0 else None, target=tgt, loss_fn=loss_fn)
-        q.put((rank, "no error", "", time.time(), 0.0))
-    except Exception as e:  # noqa: BLE001
-        t_err = time.time()
-        t0 = time.time()
-        try:  # can the process group be torn down after the failure?
-            dist.destroy_process_group()
-            td = time.time() - t0
-        except Exception:  # noqa: BLE001
-            td = -1.0
-        q.put((rank, type(e).__name__, str(e), t_err, td))
-    time.sleep(1.0)  # like a real rank printing its traceback; rank 0 hosts the store
-    os._exit(0)
-
-
-def failures(args):
-    ctx = mp.get_context("spawn")
-    print(
-        "3 ranks, transformer_like(256, 1024, 6) 2 blocks/rank, batch 512, M=8 (~0.1 s/step/rank); "
-        f"P2PGPipe(timeout={args.fail_timeout:g} s). Detection = time from the injected failure "
-        "to the PipelineError on each rank; teardown = dist.destroy_process_group() after it."
-    )
-    for i, scen in enumerate(SCENARIOS):
-        q = ctx.SimpleQueue()
-        t_inject = ctx.Value("d", 0.0)
-        procs = [
-            ctx.Process(target=_failure_worker, args=(r, 3, args.port + 10 + i, scen, args.fail_timeout, t_inject, q))
-            for r in range(3)
-        ]
-        [p.start() for p in procs]
-        fr, _, _, action = SCENARIOS[scen]
-        expect = 3 - (1 if action in ("kill", "hang") else 0)
-        got = {}
-        deadline = time.time() + 60 + args.fail_timeout
-        while len(got) < expect and time.time() < deadline:
-            if not q.empty():
-                r, kind, msg, t_err, td = q.get()
-                got[r] = (kind, msg, t_err, td)
-            else:
-                time.sleep(0.01)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        print(f"\n[{scen}] failing rank {fr}")
-        for r in range(3):
-            if r not in got:
-                print(f"  rank {r}: no report ({'expected: it was killed/hung' if r == fr else 'HUNG'})")
-                continue
-            kind, msg, t_err, td = got[r]
-            det = t_err - t_inject.value if t_inject.value else float("nan")
-            print(f"  rank {r}: {kind} after {det * 1e3:8.1f} ms, teardown {td * 1e3:6.1f} ms: {msg[:300]}")
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="3-rank correctness check only")
-    ap.add_argument("--failures", action="store_true", help="failure-detection scenarios only")
-    ap.add_argument("--fail-timeout", type=float, default=5.0, help="P2PGPipe timeout for --failures")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes (d=64, hidden=128, batch 256, M=4), one step, no ping-pong: a smoke test")
     ap.add_argument(
         "--sleep",
         type=float,
@@ -769,23 +451,17 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 32])
-    ap.add_argument(
-        "--variants",
-        nargs="+",
-        default=["1p xM", "2p compute", "p2p", "p2p-batch", "pipelining", "autopipe"],
-        help="rows to time besides plain (names as in the table)",
-    )
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
+                    help=f"rows to time besides plain (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-pingpong", dest="pingpong", action="store_false")
-    ap.add_argument("--port", type=int, default=29700)
+    ap.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (default: a free one)")
     ap.add_argument("--verbose", action="store_true")
-    args = ap.parse_args()
-    if args.check:
-        sys.exit(0 if check(args) else 1)
-    if args.failures:
-        failures(args)
-        return
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.d, args.hidden, args.batch, args.chunks = 64, 128, 256, [4]
+        args.steps, args.warmup, args.pingpong = 1, 1, False
     bench(args)
 
 

@@ -6,7 +6,8 @@
 Part 1, measured: one training step of a small GPT-style model at M=32 under
 autopipe with checkpoint = never / except_last / always on K = 1 and 2 CPU
 workers, read from ``pipe.memory`` (bytes autograd saves between forward and
-backward, counted with saved-tensor hooks; parameters excluded), against the
+backward, counted with saved-tensor hooks; parameters excluded; measured only with
+``autopipe.compile(..., track_memory=True)``), against the
 plain model counted the same way (autopipe.runtime.memory.SavedBytes). The
 "predicted" column is the analytic model of part 2 applied to this model, so
 the measurement checks the model.
@@ -46,18 +47,11 @@ MODES = ("never", "except_last", "always")
 
 
 class Saved(SavedBytes):
-    """The runtime's counter (distinct storages autograd saves), also skipping the parameters' storages:
-    autograd saves ``weight.t()`` (a view, a new tensor) for a Linear on a 3-D input."""
+    """The runtime's counter (distinct storages autograd saves), skipping the parameters' storages as a stage does
+    (autograd saves ``weight.t()``, a view of the weight's storage, for a Linear on a 3-D input)."""
 
     def __init__(self, params):
-        params = list(params)
-        super().__init__({id(p) for p in params})
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
-
-    def _pack(self, t):
-        if t.device.type != "meta" and t.untyped_storage().data_ptr() in self.param_storages:
-            return t
-        return super()._pack(t)
+        super().__init__({p.untyped_storage().data_ptr() for p in params})
 
 
 def saved(params, fn) -> int:
@@ -69,9 +63,10 @@ def saved(params, fn) -> int:
 
 
 def runtime_counts_parameters() -> bool:
-    """Whether autopipe.runtime.memory.SavedBytes counts a parameter that autograd saves as a view."""
+    """Whether the runtime's count includes a parameter that autograd saves as a view: a stage's
+    StageRunner excludes its parameters' storages (autopipe/runtime/task.py); probe the same way."""
     lin = torch.nn.Linear(4, 4)
-    with SavedBytes({id(p) for p in lin.parameters()}) as s:
+    with SavedBytes({p.untyped_storage().data_ptr() for p in lin.parameters()}) as s:
         lin(torch.randn(2, 3, 4, requires_grad=True))
     return lin.weight.untyped_storage().data_ptr() in s.storages
 
@@ -192,7 +187,7 @@ def measured_part(quick: bool):
             # getitems, sends the tuple undetached and breaks the backward; see the report)
             pipe = autopipe.compile(model, devices=["cpu"] * K, chunks=M, checkpoint=mode,
                                     intra_op_threads=max(1, threads // K), leaf_modules=(C.GPTBlock,),
-                                    example_inputs=(x,))
+                                    track_memory=True, example_inputs=(x,))
             out = pipe(x)
             loss_fn(out.flatten(0, 1), y.flatten()).backward()
             model.zero_grad(set_to_none=True)

@@ -22,11 +22,32 @@ Variants, interleaved round by round:
   chunks=M              autopipe, checkpoint never / except_last / always
 Targets: chunks=1 <= 1.03x; chunks=8 never <= 1.10x (torchgpipe 1.07x);
 except_last <= 1.30x and always <= 1.38x (torchgpipe's numbers).
+
+Second table, a model of small ops where per-op costs dominate: the GPT of
+tests/models.py (d=64, 8 layers, 4 heads, vocab 64, tied head), batch 8 x
+sequence 32, dropout 0.1 and 0, compiled with devices=1, chunks=1,
+checkpoint="never", intra_op_threads=1 (a TorchFunctionMode around the stage
+once cost it 1.44x the plain step: docs/architecture.md, pitfalls). Measured
+in a child process pinned to ONE core (os.sched_setaffinity before torch
+starts its threads, torch.set_num_threads(1)): plain and autopipe alternate
+for 41 runs (--small-op-runs); the fastest run of each is compared, for the
+training step (zero_grad + forward + cross-entropy + backward) and for the
+forward alone under torch.no_grad().
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+SMALL_OP_CHILD = "--small-op-child"
+if __name__ == "__main__" and SMALL_OP_CHILD in sys.argv:
+    # One core for the whole child, set before torch starts any thread pool.
+    _allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0} if 0 in _allowed else {min(_allowed)})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,9 +55,12 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
+from autopipe.runtime.task import checkpoints  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
-from autopipe.runtime.checkpoint import checkpoints  # noqa: E402
 from benchmarks._models import transformer_like  # noqa: E402
+
+SMALL_OP = dict(vocab=64, d=64, heads=4, layers=8, block=32)  # tests/models.py GPT
+SMALL_OP_BATCH = (8, 32)  # batch x sequence
 
 TARGETS = {  # (variant key) -> (target, torchgpipe's measurement)
     ("pipe", 1, "never"): ("<= 1.03x", "-"),
@@ -51,7 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads, plain and worker alike (default: all usable cores)")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--small-op-runs", type=int, default=None,
+                   help="alternating runs of plain vs autopipe per small-op GPT row (default 41; --quick 5)")
+    p.add_argument("--no-small-op", dest="small_op", action="store_false", help="skip the small-op GPT table")
+    p.add_argument(SMALL_OP_CHILD, dest="small_op_child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.small_op_child:
+        return small_op_child(args.small_op_runs or 41)
     quick = args.quick
     threads = args.threads or C.cores()
     torch.set_num_threads(threads)
@@ -136,9 +166,81 @@ def main(argv=None) -> int:
     ], quick=quick)
     text = head + "\n" + C.table(rows, ["variant", "chunks", "checkpoint", "s/step", "vs plain", "[quartiles]",
                                         "vs hand loop", "target", "torchgpipe"])
-    C.write("overhead", text, quick=quick, results_dir=args.results_dir)
     for pipe in pipes.values():
         pipe.close()
+    if args.small_op:
+        text += "\n\n" + small_op_table(args.small_op_runs or (5 if quick else 41))
+    C.write("overhead", text, quick=quick, results_dir=args.results_dir)
+    return 0
+
+
+# -- the small-op GPT: plain vs autopipe on one pinned core -----------------------------
+
+def small_op_table(runs: int) -> str:
+    """Runs the measurement in a child process pinned to one core; returns the ratio table."""
+    C.progress(f"overhead: small-op GPT in a child process pinned to one core, {runs} alternating runs per row")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), SMALL_OP_CHILD, "--small-op-runs", str(runs)],
+                       stdout=subprocess.PIPE, text=True, env=env, check=True)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = [[row["step"], row["dropout"], f"{row['plain'] * 1e3:.2f}", f"{row['autopipe'] * 1e3:.2f}",
+             f"{row['autopipe'] / row['plain']:.3f}x", f"{row['median_ratio']:.3f}x [{row['quartiles']}]"]
+            for row in got["rows"]]
+    model = ", ".join(f"{k}={v}" for k, v in SMALL_OP.items())
+    lines = [
+        f"small-op model: tests/models.py GPT({model}), batch {SMALL_OP_BATCH[0]} x sequence {SMALL_OP_BATCH[1]}, "
+        f"{got['params'] / 1e6:.2f} M params, model.train(); autopipe.compile(devices=1, chunks=1, checkpoint='never', "
+        f"intra_op_threads=1)",
+        f"one process pinned to core {got['cores']} (os.sched_setaffinity before torch starts threads), "
+        f"torch.set_num_threads(1); plain and autopipe alternate for {runs} runs per row "
+        f"({got['warmup']} warm-up runs dropped); fastest run of each; train = zero_grad + forward + cross-entropy "
+        f"+ backward, forward = under torch.no_grad()",
+    ]
+    return ("\n".join(f"# {line}" for line in lines) + "\n"
+            + C.table(rows, ["step", "dropout", "plain ms (fastest)", "autopipe ms (fastest)", "autopipe / plain",
+                             "median of per-run ratios [quartiles]"]))
+
+
+def small_op_child(runs: int) -> int:
+    """In the pinned child: time plain vs autopipe; one JSON line on stdout."""
+    from tests.models import GPT
+
+    torch.set_num_threads(1)
+    warmup = 2
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, SMALL_OP["vocab"], SMALL_OP_BATCH, generator=g)
+    y = torch.randint(0, SMALL_OP["vocab"], SMALL_OP_BATCH, generator=g)
+    rows, params = [], 0
+    for dropout in (0.1, 0.0):
+        torch.manual_seed(0)
+        model = GPT(dropout=dropout, **SMALL_OP).train()
+        params = sum(p.numel() for p in model.parameters())
+        pipe = autopipe.compile(model, devices=1, chunks=1, checkpoint="never", intra_op_threads=1,
+                                example_inputs=(x,))
+
+        def train(fn):
+            def run():
+                model.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(fn(x).flatten(0, 1), y.flatten()).backward()
+            return run
+
+        def forward(fn):
+            def run():
+                with torch.no_grad():
+                    fn(x)
+            return run
+
+        for step, wrap in (("train", train), ("forward", forward)):
+            t = C.interleaved({"plain": wrap(model), "autopipe": wrap(pipe)}, repeats=runs, warmup=warmup,
+                              label=f"small-op {step} dropout={dropout} ", verbose=False)
+            rows.append({"step": step, "dropout": dropout, "plain": t.fastest("plain"),
+                         "autopipe": t.fastest("autopipe"), "median_ratio": t.ratio("autopipe", "plain"),
+                         "quartiles": t.spread("autopipe", "plain")})
+            C.progress(f"  small-op {step} dropout={dropout}: plain {t.fastest('plain') * 1e3:.2f} ms, autopipe "
+                       f"{t.fastest('autopipe') * 1e3:.2f} ms (fastest of {runs})")
+        pipe.close()
+    print(json.dumps({"rows": rows, "params": params, "warmup": warmup,
+                      "cores": sorted(os.sched_getaffinity(0))}), flush=True)
     return 0
 
 

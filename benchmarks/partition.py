@@ -2,6 +2,7 @@
 other pipeline libraries use (issue 4).
 
     python benchmarks/partition.py          # or: python -m benchmarks.partition; make bench
+    python benchmarks/partition.py --results-dir /tmp   # a trial run that leaves benchmarks/results alone
 
 Prints one table (also written to benchmarks/results/partition.txt, under a header naming
 the machine) and progress on stderr. Models, all built on the meta device (no memory, no
@@ -577,7 +578,13 @@ def machine_header() -> str:
             f"# python {platform.python_version()}, torch {torch.__version__}")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results-dir", type=Path, default=RESULTS.parent,
+                    help=f"where to write partition.txt (default {RESULTS.parent})")
+    args = ap.parse_args(argv)
+    results = args.results_dir / RESULTS.name
     started = time.perf_counter()
     rows: list[Row] = []
     for case in CASES:
@@ -605,9 +612,9 @@ def main() -> int:
     ]
     text = "\n".join(lines)
     print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text + "\n")
-    log(f"wrote {RESULTS}")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(text + "\n")
+    log(f"wrote {results}")
     return 0
 
 

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BENCHMARKS = {
     # name: column headers its table must have
-    "overhead": ["variant", "chunks", "checkpoint", "s/step", "vs plain", "vs hand loop", "target", "torchgpipe"],
+    "overhead": ["variant", "chunks", "checkpoint", "s/step", "vs plain", "vs hand loop", "target", "torchgpipe",
+                 "dropout", "plain ms (fastest)", "autopipe ms (fastest)", "autopipe / plain"],
     "speedup": ["model", "K", "M", "s/step", "vs K=1 same M", "vs plain", "1w xM / plain", "ideal"],
     "memory": ["checkpoint", "kept fwd->bwd", "vs plain", "never: blocks / params", "always: blocks / params"],
     "compile_time": ["blocks", "trace s", "cost s", "partition s", "codegen s", "total s"],

@@ -78,6 +78,7 @@ class P2PTransport(Transport):
         # entered it: no failure report can be lost.
         self._store.delete_key(f"wake/{self.rank}")
         self._check_spec()
+        self._steps = 0
         self._poisoned = False
         self._poison_lock = threading.Lock()
         self._wd_stop = threading.Event()
@@ -178,12 +179,21 @@ class P2PTransport(Transport):
         self._wait(self.sends)
         self.sends = []
         if self.world > 1:
-            peer = (self.rank + 1) % self.world
+            # A barrier cannot say which peer broke it: each rank marks its step done in the store
+            # first, so a failed barrier names the ranks that never got there.
+            self._steps += 1
+            self._rstore.set(f"done/{self._steps}/{self.rank}", "1")
             try:
-                work = dist.barrier(group=self.group, async_op=True)
+                dist.barrier(group=self.group, async_op=True).wait(self.timeout)
             except RuntimeError as err:
-                raise _CommError("the end-of-step barrier", peer, err) from err
-            self._wait([(work, peer, "the end-of-step barrier")])
+                missing = [q for q in range(self.world) if not self._done(q)]
+                raise _CommError("the end-of-step barrier", missing[0] if missing else -1, err) from err
+
+    def _done(self, rank: int) -> bool:
+        try:
+            return self._rstore.check([f"done/{self._steps}/{rank}"])
+        except Exception:  # noqa: BLE001 - store unreachable
+            return False
 
     def run(self, step: Callable[[], Any]) -> Any:
         """Run one step; any failure is reported to every rank and raised as PipelineError."""
@@ -279,7 +289,8 @@ class P2PTransport(Transport):
         if "Timed out" in text:
             return (f"rank {self.rank}: {err.what} timed out after {self.timeout.total_seconds():g} s: "
                     f"rank {err.peer} is hung or far too slow")
-        return (f"rank {self.rank}: {err.what} failed: rank {err.peer} closed its connections "
+        who = f"rank {err.peer}" if err.peer >= 0 else "a rank"
+        return (f"rank {self.rank}: {err.what} failed: {who} closed its connections "
                 f"(it died, or failed itself) [{type(err.err).__name__}: {text.splitlines()[0][:200]}]")
 
     def _fail(self, err: BaseException) -> PipelineError:

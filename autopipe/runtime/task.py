@@ -125,6 +125,14 @@ class StepState:
         return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
 
 
+def _leaf(x: Any, needs_grad: bool) -> Any:
+    """A stage input as a leaf of the task's own autograd graph."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach()
+    return x.requires_grad_() if needs_grad and differentiable(x) else x
+
+
 @dataclass
 class _Saved:
     inputs: list
@@ -161,8 +169,7 @@ class StageRunner:
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
         """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
-        inputs = [x.detach().requires_grad_(g and differentiable(x)) if isinstance(x, torch.Tensor) else x
-                  for x, g in zip(inputs, needs_grad)]
+        inputs = [_leaf(x, g and step.training) for x, g in zip(inputs, needs_grad)]
         keep = step.training and not step.recomputes(i)
         with step.timeline.span(self.index, i, "forward"):
             outputs = self._run(step, i, inputs, first=True)

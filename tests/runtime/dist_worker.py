@@ -1,8 +1,15 @@
 """One rank of a distributed test: ``python dist_worker.py SCENARIO OUT_DIR`` with torchrun's
-environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's results to OUT_DIR."""
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's results to OUT_DIR.
+
+Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
+``meta`` (a model built on meta), ``skip`` (a skip connection and an early model output between
+ranks), ``trap`` (a failure injected on one rank; see :class:`Trap`).
+"""
+import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -12,54 +19,153 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopipe  # noqa: E402
 from models import GPT  # noqa: E402
 
-torch.set_num_threads(1)
+OUT_DIR = "."
+
+
+class SkipGPT(GPT):
+    """tests/models.py's GPT with a long skip (the embeddings, added again before the final norm:
+    made on the first stage, read by the last) and an early model output (a statistic of the token
+    embeddings, made on the first stage and read by no later stage)."""
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        emb = self.wte(idx)
+        early = emb.pow(2).mean(-1)  # computed here, so it is in the first stage (stages are contiguous in this order)
+        x0 = self.drop(emb + self.wpe(pos))
+        x = x0
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x + x0)), early
+
+
+def skip_loss(output, target):
+    logits, early = output
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + early.mean()
+
+
+def _fire(action: str, where: str) -> None:
+    """Spring the trap: note the time first (the test measures detection from it)."""
+    with open(os.path.join(OUT_DIR, "inject.json"), "w") as f:
+        json.dump({"rank": int(os.environ["RANK"]), "time": time.time(), "where": where}, f)
+    if action == "raise":
+        raise ValueError(f"trap sprung on purpose ({where})")
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        time.sleep(3600)  # the test's launcher kills this rank, as torchrun's agent would
+
+
+class _FireInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, trap):
+        ctx.trap = trap
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.trap.backward_calls += 1
+        if ctx.trap.backward_calls == 2:  # the second micro-batch's backward (GPipe: micro-batch 2 of 4)
+            _fire(ctx.trap.action, "backward")
+        return grad, None
 
 
 class Trap(nn.Module):
-    """Fails on one rank, on micro-batch 1, in the way the scenario asks."""
+    """Fails when armed, on the rank that holds it: ``action`` "raise" | "kill" | "hang", in the
+    forward of micro-batch 1 (``phase`` "fwd") or in the second backward of the step ("bwd")."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(32, 32)
         self.armed = False  # compiling runs the module too (fake tensors): arm it for the steps only
-        self.calls = 0
+        self.action, self.phase = "raise", "fwd"
+        self.calls = self.backward_calls = 0
 
     def forward(self, x):
-        self.calls += self.armed
-        scenario = os.environ.get("TRAP", "")
-        if self.armed and self.calls == 2:  # micro-batch 1, on the rank that holds this module
-            if scenario == "raise":
-                raise ValueError("trap sprung on purpose")
-            if scenario == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.fc(x)
+        if self.armed and self.phase == "fwd":
+            self.calls += 1
+            if self.calls == 2:  # micro-batch 1: GPipe runs every forward before any recompute
+                _fire(self.action, "forward of micro-batch 1")
+        out = self.fc(x)
+        if self.armed and self.phase == "bwd":
+            out = _FireInBackward.apply(out, self)
+        return out
 
 
 class TrapModel(nn.Module):
+    """Traps at the start (the first rank), the middle and the end (the last rank)."""
+
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(8, 32)
+        self.trap0 = Trap()
         self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
-        self.trap = Trap()
+        self.trap1 = Trap()
+        self.trap2 = Trap()
         self.out = nn.Linear(32, 4)
 
     def forward(self, x):
-        h = torch.tanh(self.inp(x))
+        h = self.trap0(torch.tanh(self.inp(x)))
         for b in self.blocks[:2]:
             h = torch.tanh(b(h))
-        h = self.trap(h)
+        h = self.trap1(h)
         for b in self.blocks[2:]:
             h = torch.tanh(b(h))
-        return self.out(h)
+        return self.out(self.trap2(h))
 
 
 def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def _write_error(rank: int, e: BaseException) -> None:
+    with open(os.path.join(OUT_DIR, f"rank{rank}.err"), "w") as f:
+        json.dump({"type": type(e).__name__, "message": str(e), "time": time.time()}, f)
+
+
+def trap(rank: int, world: int):
+    """One good step, then the trap armed where TRAP_AT says (trap0 | trap1 | trap2 | loss),
+    sprung as TRAP ("raise" | "kill" | "hang") in TRAP_PHASE ("fwd" | "bwd")."""
+    action, at, phase = os.environ.get("TRAP", "raise"), os.environ.get("TRAP_AT", "trap1"), \
+        os.environ.get("TRAP_PHASE", "fwd")
+    torch.manual_seed(0)
+    model = TrapModel()
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    pipe = autopipe.compile(model, chunks=4, timeout=float(os.environ.get("TIMEOUT", "20")),
+                            leaf_modules=[Trap], example_inputs=(x,))
+    armed = [False]
+    loss_calls = [0]
+
+    def loss_fn(out, target):
+        if armed[0] and at == "loss":
+            loss_calls[0] += 1
+            if loss_calls[0] == 2:
+                _fire(action, "the loss of micro-batch 1")
+        return F.mse_loss(out, target)
+
+    holds = rank == world - 1 if at == "loss" else at in pipe.plan.stages[pipe.stage_index].nodes
+    if holds:
+        with open(os.path.join(OUT_DIR, "trap_rank.txt"), "w") as f:
+            f.write(str(rank))
+    try:
+        pipe.step(x, target=y, loss_fn=loss_fn)  # a good step first
+        if at != "loss":
+            module = getattr(model, at)
+            module.action, module.phase, module.armed = action, phase, True
+        armed[0] = True
+        for _ in range(3):
+            pipe.step(x, target=y, loss_fn=loss_fn)
+    except Exception as e:
+        _write_error(rank, e)
+        sys.exit(3)
+    return pipe
+
+
 def main():
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    global OUT_DIR
+    scenario, OUT_DIR = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     data_parallel = int(os.environ.get("DATA_PARALLEL", "1"))
     torch.manual_seed(0)
     if scenario in ("gpt", "dp"):
@@ -68,7 +174,7 @@ def main():
         ids = torch.randint(0, 64, (16, 16), generator=g)
         target = torch.randint(0, 64, (16, 16), generator=g)
         if scenario == "dp":
-            replica = rank // (int(os.environ["WORLD_SIZE"]) // data_parallel)
+            replica = rank // (world // data_parallel)
             ids, target = ids.chunk(data_parallel)[replica], target.chunk(data_parallel)[replica]
         pipe = autopipe.compile(model, chunks=4, checkpoint=os.environ.get("CHECKPOINT", "except_last"),
                                 data_parallel=data_parallel, timeout=30)
@@ -81,23 +187,22 @@ def main():
                 grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
                 pipe.zero_grad()
         torch.save({"grads": grads, "losses": losses, "stage": pipe.stage_index, "plan": str(pipe.plan),
-                    "state": pipe.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "skip":
+        model = SkipGPT(vocab=64, d=32, heads=4, layers=world, block=16, dropout=0.1).train()
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 64, (16, 16), generator=g)
+        target = torch.randint(0, 64, (16, 16), generator=g)
+        pipe = autopipe.compile(model, chunks=4, timeout=30)
+        torch.manual_seed(100)
+        loss = pipe.step(ids, target=target, loss_fn=skip_loss)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        from autopipe.runtime.wire import WireSpec
+        edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
+        torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges},
+                   os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":
-        model = TrapModel()
-        x, y = torch.randn(16, 8), torch.randn(16, 4)
-        pipe = autopipe.compile(model, chunks=4, timeout=float(os.environ.get("TIMEOUT", "20")),
-                                leaf_modules=[Trap], example_inputs=(x,))
-        model.trap.armed = True
-        if "trap" in pipe.plan.stages[pipe.stage_index].nodes:
-            with open(os.path.join(out_dir, "trap_rank.txt"), "w") as f:
-                f.write(str(rank))
-        try:
-            for _ in range(3):
-                pipe.step(x, target=y, loss_fn=F.mse_loss)
-        except Exception as e:
-            with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-                f.write(f"{type(e).__name__}: {e}")
-            sys.exit(3)
+        pipe = trap(rank, world)
     elif scenario == "meta":
         with torch.device("meta"):
             model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0)
@@ -106,7 +211,9 @@ def main():
         mine = [n for n, p in pipe.named_parameters()]
         loss = pipe.step(torch.randint(0, 64, (4, 16)), target=torch.randint(0, 64, (4, 16)), loss_fn=lm_loss)
         torch.save({"on_meta": on_meta, "mine": mine, "loss": None if loss is None else loss.item(),
-                    "state": pipe.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
     import torch.distributed as dist
     pipe.close()
     dist.destroy_process_group()

