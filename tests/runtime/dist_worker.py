@@ -177,6 +177,7 @@ def main():
             replica = rank // (world // data_parallel)
             ids, target = ids.chunk(data_parallel)[replica], target.chunk(data_parallel)[replica]
         pipe = autopipe.compile(model, chunks=4, checkpoint=os.environ.get("CHECKPOINT", "except_last"),
+                                schedule=os.environ.get("SCHEDULE", "gpipe"),
                                 data_parallel=data_parallel, timeout=30)
         losses = []
         for step in range(2):

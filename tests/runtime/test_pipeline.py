@@ -1,0 +1,94 @@
+"""The in-process runtime under every schedule: the plain model's gradients, memory held as the schedule says."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopipe
+from models import GPT, MLP
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def plain_grads(model, x, y):
+    model = copy.deepcopy(model)
+    F.mse_loss(model(x), y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_every_schedule_gives_the_plain_models_gradients_in_float64(schedule, v, checkpoint, devices):
+    torch.manual_seed(0)
+    model = MLP(depth=8).double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    expected = plain_grads(model, x, y)
+    pipe = autopipe.compile(model, devices=devices, chunks=4, checkpoint=checkpoint, schedule=schedule,
+                            virtual_stages=v)
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y), rtol=0, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12, msg=n)
+    assert pipe.plan.n_stages == devices * v
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_schedules_with_dropout_are_reproducible_and_replay(schedule, v):
+    grads = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).double().train()
+        pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint, schedule=schedule,
+                                virtual_stages=v)
+        ids = torch.randint(0, 64, (8, 16))
+        torch.manual_seed(5)
+        pipe.step(ids, target=ids, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_1f1b_holds_at_most_k_micro_batches_on_the_first_stage():
+    """Counted from the forward and backward tasks as they ran (the timeline), K=4, M=16."""
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        torch.manual_seed(0)
+        model = MLP(depth=8)
+        pipe = autopipe.compile(model, devices=4, chunks=16, checkpoint="never", schedule=schedule)
+        pipe.step(torch.randn(32, 8), target=torch.randn(32, 4), loss_fn=F.mse_loss)
+        events = sorted((e for e in pipe.timeline.events if e.stage == 0 and e.kind in ("forward", "backward")),
+                        key=lambda e: e.start)
+        live = peak = 0
+        for e in events:
+            live += 1 if e.kind == "forward" else -1
+            peak = max(peak, live)
+        held[schedule] = peak
+    assert held == {"gpipe": 16, "1f1b": 4}
+
+
+def test_pipe_call_under_1f1b_asks_for_step_and_works_without_grad():
+    pipe = autopipe.compile(MLP(), devices=2, chunks=2, schedule="1f1b")
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="pipe.step"):
+        pipe(x)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), pipe.model(x))
+
+
+def test_schedule_prints_and_bad_options_are_named():
+    pipe = autopipe.compile(MLP(), devices=2, chunks=4, schedule="interleaved", virtual_stages=2,
+                            example_inputs=(torch.randn(8, 8),))
+    text = str(pipe.schedule)
+    assert text.startswith("interleaved") and "device 1" in text
+    with pytest.raises(ValueError, match="virtual_stages"):
+        autopipe.compile(MLP(), devices=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="schedule"):
+        autopipe.compile(MLP(), devices=2, schedule="zigzag")
+
+
+def test_pipeline_refuses_to_be_moved_as_a_whole():
+    pipe = autopipe.compile(MLP(), devices=2, chunks=2)
+    with pytest.raises(RuntimeError, match="placement"):
+        pipe.to(torch.float64)
