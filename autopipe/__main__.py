@@ -299,24 +299,16 @@ def hint_token_ids(e: BaseException, args: tuple, kwargs: dict) -> None:
 
 def run_passes(model, args: tuple, kwargs: dict, devices, chunks: int, balance, leaf_modules, tolerance: float,
                memory_cap, route: str, out: str | None):
-    """trace -> cost -> partition (-> codegen with ``out``), exactly as autopipe.compile chains them,
+    """trace -> cost -> partition (-> codegen with ``out``): autopipe.run_passes, the chain compile runs,
     each pass reported on stderr (autopipe/progress.py)."""
-    chain = importlib.import_module("autopipe.compile")  # the module: autopipe.compile is also the function
-    from autopipe.passes.codegen import save_code
+    from autopipe.compile import Options, run_passes as chain
     from autopipe.progress import Progress
 
-    progress = Progress(verbose=True)
-    if hasattr(chain, "Options"):  # one chain of passes, autopipe.compile.run_passes
-        options = chain.Options.make(devices, chunks=chunks, balance=balance, leaf_modules=leaf_modules,
-                                     tolerance=tolerance, memory_cap=memory_cap, route=route, verbose=True)
-        compiled = chain.run_passes(model, args, kwargs, options, generate=out is not None, progress=progress)
-        plan, stages = compiled.plan, compiled.stages
-    else:
-        traced, plan = chain._plan(model, args, kwargs, devices, chunks, balance, leaf_modules, tolerance, memory_cap,
-                                   route, progress)
-        stages = chain._codegen(traced.graph_module, plan, progress) if out is not None else []
-    paths = save_code(stages, out) if out is not None else []
-    return plan, paths
+    options = Options.make(devices, chunks=chunks, balance=balance, leaf_modules=leaf_modules,
+                           tolerance=tolerance, memory_cap=memory_cap, route=route, verbose=True)
+    compiled = chain(model, args, kwargs, options, generate=out is not None, progress=Progress(verbose=True))
+    paths = [stage.save(out) for stage in compiled.stages] if out is not None else []
+    return compiled.plan, paths
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

@@ -6,12 +6,13 @@ command line and the torchrun runtime all call it with one :class:`Options`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from autopipe.global_state import preserved_global_state
+from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
@@ -39,11 +40,16 @@ class Options:
     memory_cap: float | None = None
     route: str = "auto"
     verbose: bool = False
+    schedule: str = "gpipe"
+    virtual_stages: int = 1
+    checkpoint: str = "except_last"
+    optimizer: str | None = "adam"         # for the plan's memory prediction: "sgd", "momentum", "adam", None
 
     @classmethod
     def make(cls, devices: Sequence[torch.device], *, chunks: int, balance: Any = "flops", checkpoint: str = "except_last",
              leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
-             route: str = "auto", verbose: bool = False, schedule: str = "gpipe", virtual_stages: int = 1) -> "Options":
+             route: str = "auto", verbose: bool = False, schedule: str = "gpipe", virtual_stages: int = 1,
+             optimizer: str | None = "adam") -> "Options":
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
         if checkpoint not in CHECKPOINT_MODES:
@@ -60,7 +66,8 @@ class Options:
         stage_devices = tuple(devices[s % len(devices)] for s in range(len(devices) * virtual_stages))
         return cls(devices=stage_devices, chunks=chunks, balance=balance if isinstance(balance, str) else tuple(balance),
                    leaf_modules=tuple(leaf_modules), tolerance=tolerance, memory_cap=memory_cap, route=route,
-                   verbose=verbose)
+                   verbose=verbose, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint,
+                   optimizer=optimizer)
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
@@ -140,8 +147,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
 
-def _program(model, args, kwargs, options: Options, static_batch: int | None, generate: bool, before_codegen,
-             progress: Progress, specialised: BatchSpecialised | None = None) -> Program:
+def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):
     with progress.run("trace") as report:
         traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route,
                        static_batch=static_batch)
@@ -159,6 +165,12 @@ def _program(model, args, kwargs, options: Options, static_batch: int | None, ge
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
         report["detail"] = f"balance={options.balance!r}" if isinstance(options.balance, str) else "balance=given weights"
+    return traced, costed
+
+
+def _program(model, args, kwargs, options: Options, static_batch: int | None, generate: bool, before_codegen,
+             progress: Progress, specialised: BatchSpecialised | None = None) -> Program:
+    traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
     with progress.run("partition") as report:
         plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks,
                          balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
@@ -166,6 +178,8 @@ def _program(model, args, kwargs, options: Options, static_batch: int | None, ge
                                                       f"{str(specialised).splitlines()[0]}"]
                                                      if specialised is not None else []),
                          pass_seconds=progress.seconds)
+        plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
+                                     options.virtual_stages, options.optimizer)
         report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
     stages = []
     if generate:
@@ -177,13 +191,41 @@ def _program(model, args, kwargs, options: Options, static_batch: int | None, ge
     return Program(traced=traced, plan=plan, stages=stages)
 
 
+def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.device], choices: dict[str, Any]) -> Plan:
+    """``chunks``/``schedule``/``checkpoint="auto"``: trace and cost once, partition once per stage
+    count, and keep the fastest predicted configuration whose memory fits ``memory_cap``."""
+    if options.memory_cap is None:
+        raise ValueError(f"{', '.join(f'{k}=auto' for k in choices)} picks the fastest configuration that fits "
+                         f"the memory: give memory_cap (bytes per device)")
+    progress = Progress(options.verbose)
+    with preserved_global_state(), torch.inference_mode(False):
+        traced, costed = _trace_and_cost(model, args, kwargs, options, None, progress)
+        K = len(devices)
+
+        def plan_for(n_stages: int):
+            return partition(costed, n_stages, devices=[devices[s % K] for s in range(n_stages)], chunks=1,
+                             balance=options.balance, tolerance=options.tolerance, notes=traced.notes), costed
+
+        with progress.run("choose") as report:
+            choice = choose_configuration(
+                plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap,
+                schedules=SCHEDULES if choices.get("schedule") else (options.schedule,),
+                checkpoint_modes=CHECKPOINT_MODES if choices.get("checkpoint") else (options.checkpoint,),
+                chunks=None if choices.get("chunks") else options.chunks, optimizer=options.optimizer)
+            report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} "
+                                f"of {len(choice.candidates)} configurations")
+    result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
+    result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
+    return result
+
+
 def plan(
     model: torch.nn.Module,
     example_inputs: Any = None,
     *,
     example_kwargs: dict[str, Any] | None = None,
     devices: int | Sequence[str | torch.device] | None = None,
-    chunks: int = 8,
+    chunks: int | str = 8,
     balance: str | Sequence[float] = "flops",
     leaf_modules: Iterable[type | str] = (),
     tolerance: float = 0.03,
@@ -191,16 +233,30 @@ def plan(
     route: str = "auto",
     schedule: str = "gpipe",
     virtual_stages: int = 1,
+    checkpoint: str = "except_last",
+    optimizer: str | None = "adam",
     verbose: bool = False,
 ) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist.
+    The plan predicts each stage's memory for ``schedule``, ``checkpoint``, ``chunks`` and the
+    ``optimizer``'s state. ``chunks``, ``schedule``, ``checkpoint`` may be ``"auto"`` (with
+    ``memory_cap``): the fastest predicted configuration that fits, the alternatives in ``plan.choice``.
     ``verbose=True`` reports each pass on stderr (they always go to the ``autopipe`` logger)."""
-    options = Options.make(plan_devices(devices), chunks=chunks, balance=balance, leaf_modules=leaf_modules,
-                           tolerance=tolerance, memory_cap=memory_cap, route=route, verbose=verbose,
-                           schedule=schedule, virtual_stages=virtual_stages)
-    return run_passes(model, _as_tuple(example_inputs), example_kwargs or {}, options, generate=False).plan
+    choices = {k: v == "auto" for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint))}
+    stage_devices = plan_devices(devices)
+    options = Options.make(stage_devices, chunks=1 if choices["chunks"] else chunks, balance=balance,
+                           leaf_modules=leaf_modules, tolerance=tolerance,
+                           memory_cap=None if any(choices.values()) else memory_cap, route=route, verbose=verbose,
+                           schedule="gpipe" if choices["schedule"] else schedule,
+                           virtual_stages=1 if choices["schedule"] else virtual_stages,
+                           checkpoint="except_last" if choices["checkpoint"] else checkpoint, optimizer=optimizer)
+    args, kwargs = _as_tuple(example_inputs), example_kwargs or {}
+    if any(choices.values()):
+        return _choose(model, args, kwargs, replace(options, memory_cap=memory_cap), stage_devices,
+                       {k: v for k, v in choices.items() if v})
+    return run_passes(model, args, kwargs, options, generate=False).plan
 
 
 def compile(

@@ -7,6 +7,7 @@ al., 2019, sec. 2.3), kept as a sympy expression so it prints as a formula.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import sympy
 import torch
@@ -60,6 +61,8 @@ class Plan:
     shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied weights: name -> stages
     notes: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
+    memory: Any = None    # autopipe.memory_model.PredictedMemory: each stage's predicted bytes
+    choice: Any = None    # autopipe.memory_model.AutoChoice, when chunks/schedule/checkpoint were "auto"
 
     @property
     def n_stages(self) -> int:
@@ -149,6 +152,10 @@ class Plan:
         if self.pass_seconds:
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
                          + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
+        if self.memory is not None:
+            lines.append(str(self.memory))
+        if self.choice is not None:
+            lines.append(str(self.choice))
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 

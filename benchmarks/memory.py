@@ -198,7 +198,7 @@ def measured_part(quick: bool):
             inputs = N * (layer.ids + (K - 1) * layer.hidden)
             predicted = {"never": acts, "except_last": inputs * (M - 1) / M + 2 * acts / M,
                          "always": inputs + acts / M}[mode]
-            rows.append([f"autopipe", K, mode, C.mib(kept), C.mib(sum(peaks)), C.mib(max(peaks)),
+            rows.append(["autopipe", K, mode, C.mib(kept), C.mib(sum(peaks)), C.mib(max(peaks)),
                          f"{sum(peaks) / plain:.3f}x", C.mib(predicted), f"{sum(peaks) / predicted:.2f}"])
             pipe.close()
             del out
@@ -241,7 +241,7 @@ def analytic_part(quick: bool, args):
                 row.append("-")
         rows.append(row)
     n1, r1 = base[(1, "never")], base[(1, "always")]
-    headline = (f"re-materialisation alone (K=1, never -> always): "
+    headline = ("re-materialisation alone (K=1, never -> always): "
                 + (f"{n1} -> {r1} blocks, {params_of(layer, n1) / 1e6:.0f}M -> {params_of(layer, r1) / 1e6:.0f}M params = "
                    f"{params_of(layer, r1) / params_of(layer, n1):.2f}x params ({r1 / n1:.1f}x blocks); GPipe: ~2.7x params "
                    f"(282.2M -> 785.8M), 4.3x layers (3 -> 13)" if n1 and r1 else "the plain model does not fit"))

@@ -551,7 +551,7 @@ def definitions(chunks: int = CHUNKS) -> str:
         "tensors   tensors crossing cuts, summed over the K-1 cuts (a tensor counted once per cut it",
         "          crosses; per cut in brackets); bytes: their size at the whole mini-batch",
         f"step/T1   predicted GPipe step time at M={chunks} micro-batches over the time of one device",
-        f"          running everything: bottleneck * (M+K-1)/M / total (communication not counted);",
+        "          running everything: bottleneck * (M+K-1)/M / total (communication not counted);",
         "          perfect balance gives (M+K-1)/(M*K): " + ", ".join(
             f"K={k}: {(chunks + k - 1) / (chunks * k):.3f}" for k in (2, 4, 8)),
         "split s   seconds of the split method itself (for layer methods: on the per-layer costs;",

@@ -126,9 +126,9 @@ def main(argv=None) -> int:
 
     head = C.header("speedup", [
         *[f"model {d}" for d in described],
-        f"K CPU workers (devices=['cpu']*K), ONE intra-op thread each (compile(intra_op_threads=1)); the plain "
-        f"model on one thread; checkpoint='never' and balance='flops' unless the row says otherwise "
-        f"(balance='time': stages cut on measured node times); step = zero_grad + forward + loss + backward",
+        "K CPU workers (devices=['cpu']*K), ONE intra-op thread each (compile(intra_op_threads=1)); the plain "
+        "model on one thread; checkpoint='never' and balance='flops' unless the row says otherwise "
+        "(balance='time': stages cut on measured node times); step = zero_grad + forward + loss + backward",
         *timing,
         "vs K=1 same M = t(1 worker, M) / t(K, M): pipeline efficiency; vs plain = t(plain) / t(K, M);",
         "1w xM / plain = t(1 worker, M) / t(plain): the micro-batching cost alone (vs plain = vs K=1 / this);",

@@ -6,7 +6,6 @@ Run: make demo   (or: python examples/demo.py)
 """
 import copy
 import math
-import os
 import sys
 
 import torch

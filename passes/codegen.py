@@ -92,6 +92,16 @@ class Stage(fx.GraphModule):
     def code(self) -> str:  # type: ignore[override]
         return self._header + super().code
 
+    def save(self, directory: str | os.PathLike[str]) -> str:
+        """Write ``stage_<i>.py`` (the code and the imports it needs) into ``directory``; returns the path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(os.fspath(directory), f"stage_{self.index}.py")
+        code = self.code
+        imports = "import torch\n" + ("import autopipe.random_ops\n" if "autopipe.random_ops." in code else "")
+        with open(path, "w") as f:
+            f.write(imports + code)
+        return path
+
     def __repr__(self) -> str:
         return f"Stage({self.index}, device={self.device}, inputs={self.input_names}, outputs={self.output_names})"
 
@@ -584,17 +594,3 @@ def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, _Route] | None = No
     if writable:
         lines.append(f"#   written in place, so cloned first: {', '.join(writable)}")
     return "\n".join(lines) + "\n"
-
-
-def save_code(stages: list[Stage], directory: str | os.PathLike[str]) -> list[str]:
-    """Write one ``stage_<i>.py`` per stage; returns the paths."""
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for stage in stages:
-        path = os.path.join(os.fspath(directory), f"stage_{stage.index}.py")
-        code = stage.code
-        imports = "import torch\n" + ("import autopipe.random_ops\n" if "autopipe.random_ops." in code else "")
-        with open(path, "w") as f:
-            f.write(imports + code)
-        paths.append(path)
-    return paths

@@ -201,8 +201,8 @@ def _measured_flops(gm: fx.GraphModule, nodes: set) -> dict[str, int]:
             args = fx.node.map_arg(node.args, lambda n: _fake_of(n, mode, env))
             kwargs = fx.node.map_arg(node.kwargs, lambda n: _fake_of(n, mode, env))
             counter = FlopCounterMode(display=False)
-            try:
-                with counter:
+            try:  # grad mode too: export's wrap_with_set_grad_enabled leaves it off when its body raises
+                with counter, torch.set_grad_enabled(torch.is_grad_enabled()):
                     out = _run_node(gm, node, args, kwargs)
             except Exception:
                 out = node.meta.get("val")

@@ -68,7 +68,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -881,7 +881,6 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
 
     for p in placeholders:
         consumers = sorted(users_stages(p))
-        val = p.meta.get("val")
         tensors[p.name] = _info(p, -1, consumers, p in output_args, batch)
         for s in consumers:
             stage_inputs[s].append(p.name)

@@ -26,7 +26,7 @@ import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx

@@ -1,4 +1,4 @@
-"""The command line, run as a user would: `python -m autopipe plan file.py:factory ...` in a subprocess."""
+"""The command line, run as a user would: `python -m autopipe plan|verify file.py:factory ...` in a subprocess."""
 from __future__ import annotations
 
 import ast
@@ -75,6 +75,23 @@ FACTORIES = textwrap.dedent('''
         return CNN()
 
 
+    class Annealed(nn.Module):
+        """Scales a branch by its call count, a Python int: tracing freezes it, so the pipeline differs."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return torch.tanh(self.a(x)) + self.b(x) * (1 + 0.1 * self.calls)
+
+
+    def annealed():
+        return Annealed()
+
+
     NOT_A_FACTORY = 3
 ''')
 
@@ -145,7 +162,7 @@ def test_a_huge_model_plans_on_meta_without_memory(factory_file):
 def test_help_explains_itself_with_an_example():
     r = autopipe("--help")
     assert r.returncode == 0
-    assert "plan" in r.stdout and "example" in r.stdout
+    assert "plan" in r.stdout and "verify" in r.stdout and "example" in r.stdout
     r = autopipe("plan", "--help")
     assert r.returncode == 0
     for flag in ("--input-shape", "--input-dtype", "--kwarg-shape", "--devices", "--chunks", "--balance", "--out",
@@ -184,3 +201,52 @@ def test_a_failing_trace_names_the_node_and_hints_without_a_traceback(factory_fi
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert "wte" in r.stderr and "--input-dtype long" in r.stderr
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+def test_verify_a_gpt_passes_with_a_per_parameter_table(factory_file):
+    r = autopipe("verify", f"{factory_file}:gpt", "--factory-arg", "layers=2", "--input-shape", "8,16",
+                 "--input-dtype", "long", "--int-high", "100", "--devices", "2", "--chunks", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "autopipe.verify: GPT in train mode" in r.stdout
+    assert "[structure] PASS (tolerance 1e-10)" in r.stdout and "[replay] PASS (tolerance 0: bit for bit)" in r.stdout
+    assert "max|Δ|/max|ref|" in r.stdout and "blocks.0." in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith("PASS: ")
+    assert "on cpu" in r.stderr and "verified in" in r.stderr
+
+
+def test_verify_a_cnn_in_eval_mode_with_every_micro_batch_rematerialised(factory_file):
+    r = autopipe("verify", f"{factory_file}:cnn", "--input-shape", "8,3,8,8", "--mode", "eval",
+                 "--checkpoint", "always", "--devices", "cpu,cpu,cpu", "--chunks", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "in eval mode" in r.stdout and "3 stages" in r.stdout and "checkpoint='always'" in r.stdout
+
+
+def test_verify_fails_with_exit_code_1_and_names_the_parameter(factory_file):
+    r = autopipe("verify", f"{factory_file}:annealed", "--input-shape", "8,8")
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("FAIL: structure") and "b.weight" in last
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["verify", "{file}:gpt"], "give the example input's shape"),
+    (["verify", "{file}:gpt", "--input-shape", "8,16", "--devices", "0"], "--devices 0: at least 1"),
+    (["verify", "{file}:gpt", "--input-shape", "8,16", "--devices", "tpu,tpu"], "--devices 'tpu,tpu'"),
+])
+def test_verify_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message):
+    fill = {"file": str(factory_file)}
+    r = autopipe(*(a.format(**fill) for a in args))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_verify_help_explains_itself():
+    r = autopipe("verify", "--help")
+    assert r.returncode == 0
+    for flag in ("--input-shape", "--devices", "--chunks", "--checkpoint", "--mode", "--int-high", "exit status"):
+        assert flag in r.stdout

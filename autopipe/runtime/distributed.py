@@ -15,7 +15,6 @@ the ranks of one replica that hold it first (Megatron-LM's embedding group).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os

@@ -300,14 +300,7 @@ class Pipeline(torch.nn.Module):
 
     def save_code(self, directory) -> list[str]:
         """Write one ``stage_<i>.py`` per stage; returns the paths."""
-        os.makedirs(directory, exist_ok=True)
-        paths = []
-        for stage in self.stages:
-            path = os.path.join(os.fspath(directory), f"stage_{stage.index}.py")
-            with open(path, "w") as f:
-                f.write("import torch\nimport autopipe\n" + stage.code)
-            paths.append(path)
-        return paths
+        return [stage.save(directory) for stage in self.stages]
 
     def __repr__(self) -> str:
         state = "compiled" if self._current is not None else "not compiled yet"

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopipe.passes.codegen import Stage, codegen, save_code
+from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import trace
@@ -505,7 +505,7 @@ def test_deepcopy_keeps_the_stage_facts():
 def test_save_code_is_importable_text(tmp_path):
     model = Op(nn.Dropout(0.1)).train()
     _, _, stages = build(model, (torch.randn(4, 6),))
-    (path,) = save_code(stages, tmp_path)
+    path = stages[0].save(tmp_path)
     text = open(path).read()
     assert text.startswith("import torch\nimport autopipe.random_ops\n")
     assert isinstance(stages[0], Stage) and isinstance(stages[0].graph, fx.Graph)
