@@ -64,7 +64,7 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int]) -> torch.Tensor:
         if not parts[0].is_floating_point():
             return parts[0]
         return sum(p * (s / total) for p, s in zip(parts, sizes))
-    return torch.cat(list(parts))
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
 def split_grad(grad: torch.Tensor | None, like: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
