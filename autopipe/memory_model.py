@@ -63,6 +63,7 @@ from autopipe import random_ops
 from autopipe.passes.cost import CostedGraph
 from autopipe.passes.partition import NoFeasiblePlan
 from autopipe.plan import Plan
+from autopipe.plan import human_bytes as _human
 from autopipe.runtime.schedule import NAMES as SCHEDULES
 from autopipe.runtime.schedule import Schedule
 from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
@@ -920,14 +921,6 @@ def _candidates_table(candidates: list[Candidate], cap: float, ideal: float, cho
 
 def _ratio(measured: float, predicted: float) -> str:
     return f"{measured / predicted:.3f}" if predicted else ("-" if not measured else "inf")
-
-
-def _human(n: float) -> str:
-    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
-        if abs(n) < 1024 or prefix == "Ti":
-            return f"{n:.0f} B" if prefix == "" else f"{n:.1f} {prefix}B"
-        n /= 1024
-    return f"{n} B"
 
 
 def _shorten(text: str, width: int = 70) -> str:

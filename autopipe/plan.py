@@ -162,6 +162,10 @@ class Plan:
     __repr__ = __str__
 
 
+def human_bytes(n: float) -> str:
+    return _human(n, "B")
+
+
 def _human(n: float, unit: str) -> str:
     for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
         if abs(n) < 1024 or prefix == "Ti":

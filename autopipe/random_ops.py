@@ -5,7 +5,7 @@ stages: each copy would draw its own numbers) and codegen (passes/codegen.py),
 which emits every random op of a stage so that it draws from the stage's
 ``generator`` argument. Re-materialisation must draw the same masks as the
 forward did, and the default generator is one per process, shared by every
-worker thread (DESIGN.md, pitfalls); a generator per (stage, micro-batch)
+worker thread (docs/architecture.md, pitfalls); a generator per (stage, micro-batch)
 task, passed in as an argument, makes each task's stream its own and costs
 nothing per op. Passes import this module, never the runtime.
 

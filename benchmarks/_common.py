@@ -4,7 +4,7 @@ Every benchmark compares variants measured side by side in one run: the
 variants are interleaved (A B C, B C A, C A B, ...: the order rotates every
 round), the first rounds are warm-up, and the numbers reported are medians.
 Ratios are medians of the per-round ratios, so a slow spell of the machine
-that hits one round hits both sides of the ratio (DESIGN.md, pitfalls: the
+that hits one round hits both sides of the ratio (docs/architecture.md, pitfalls: the
 same work timed in two sequential blocks differed by up to 1.5x on a shared
 machine, in alternation by under 1.08x).
 

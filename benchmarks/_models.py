@@ -19,7 +19,7 @@ No size reaches both targets (~0.1-0.3 s/step and free micro-batching at
 M=32): a 32-row micro-batch re-reads each weight matrix once per micro-batch
 (4 MiB per 512x2048 Linear, more than the 1 MiB L2), and per-op overhead
 (~10-20 us per op, ~20 ops per block forward+backward) grows with M. The
-defaults keep the D=512, H=2048 shape of DESIGN.md's reference numbers.
+defaults keep the D=512, H=2048 shape of the reference numbers in docs/architecture.md (pitfalls).
 """
 
 from __future__ import annotations

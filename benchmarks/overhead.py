@@ -7,7 +7,7 @@ One worker (devices=["cpu"]) with as many intra-op threads as the plain run
 (all usable cores), so the only differences are autopipe's runtime and the
 micro-batching. Model: benchmarks/_models.transformer_like(512, 2048, 8)
 with batch 1024 x threads, where running M=8 micro-batches is nearly free on
-CPU (DESIGN.md, pitfalls: 1.00x at batch 1024 on one thread; measured here,
+CPU (docs/architecture.md, pitfalls: 1.00x at batch 1024 on one thread; measured here,
 2 threads: 1.18x at batch 1024, 1.03x at 2048). A step is zero_grad +
 forward + MSE loss + backward (no optimizer step: the same for every variant).
 

@@ -3,7 +3,7 @@
 FLOPs come from torch.utils.flop_counter.FlopCounterMode run node by node on
 fake tensors, so costing needs no memory and works for a model on meta.
 FlopCounterMode counts 0 for scaled_dot_product_attention on CPU tensors
-(DESIGN.md, pitfalls), so attention gets its own formula; ops it does not
+(docs/architecture.md, pitfalls), so attention gets its own formula; ops it does not
 count at all (elementwise, norms, softmax) are charged one FLOP per output
 element, so that memory-bound work still weighs something when balancing.
 """
