@@ -176,12 +176,20 @@ class _Run:
         # backward from the engine thread lets the devices overlap there, as in torchgpipe.
         inline = any(s.device.type == "cuda" for s in self.compiled.stages)
         self._execute(self.schedule, "B", inline=inline)
+        self._cuda_peaks()
         return self._input_grads(), self._param_grads()
+
+    def _cuda_peaks(self) -> None:
+        if self.state.memory is not None:
+            for stage in self.compiled.stages:
+                if stage.device.type == "cuda":
+                    self.state.memory.stages[stage.index].cuda_peak = torch.cuda.max_memory_allocated(stage.device)
 
     def step(self, targets: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
         loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,
                     weights=[s / self.batch for s in self.sizes], last_stage=self.compiled.plan.n_stages - 1)
         self._execute(self.schedule, "FB", loss=loss)
+        self._cuda_peaks()
         if self.state.deferred is not None:
             self.state.deferred.commit()
         with torch.no_grad():

@@ -17,7 +17,7 @@ def test_stages_on_cuda_match_the_plain_model(name):
     scalar_loss(ref).backward()
     count = torch.cuda.device_count()
     devices = [f"cuda:{i % count}" for i in range(2)]
-    pipe = autopipe.compile(model, devices=devices, chunks=4)
+    pipe = autopipe.compile(model, devices=devices, chunks=4, track_memory=True)
     out = pipe(*args)  # CPU inputs are copied to the first stage's device
     torch.testing.assert_close(out.cpu(), ref.detach().cpu(), rtol=1e-4, atol=1e-4)
     scalar_loss(out).backward()
