@@ -223,25 +223,11 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                                    batch_size) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
 
-    graph_module, route_taken, output_spec, output_template, output_positions = result
     flat_example = [leaves[i] for i in tensor_positions]
-    _propagate_fake_shapes(graph_module, flat_example)
-    return TracedModel(
-        graph_module=graph_module,
-        route=route_taken,
-        signature=signature,
-        input_names=input_names,
-        input_spec=input_spec,
-        input_leaves=template,
-        tensor_positions=tensor_positions,
-        output_spec=output_spec,
-        output_leaves=output_template,
-        output_positions=output_positions,
-        batch_size=batch_size,
-        example_arguments={k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in arguments.items()},
-        notes=[f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors]
-        + notes,
-    )
+    _propagate_fake_shapes(result[0], flat_example)
+    failures = [f"{name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for name, e in errors]
+    return _traced_model(result, signature, arguments, input_names, input_spec, template, tensor_positions,
+                         batch_size, failures + notes)
 
 
 def _trace_static(model, signature, arguments, leaves, input_spec, template, tensor_positions, input_names,
@@ -259,9 +245,19 @@ def _trace_static(model, signature, arguments, leaves, input_spec, template, ten
         errors = [(f"torch.export (non-strict, static shapes, batch {static_batch})", e)]
         raise TraceError(_explain_failures(model, errors)) from e
     _propagate_fake_shapes(graph_module, [cut[i] for i in tensor_positions])
+    return _traced_model(
+        (graph_module, "export-static", output_spec, output_template, output_positions), signature, arguments,
+        input_names, input_spec, template, tensor_positions, static_batch,
+        [f"traced at a static batch of {static_batch} rows (torch.export, no dynamic dimension): "
+         f"the model treats the batch size as a constant"], static_batch=static_batch)
+
+
+def _traced_model(result, signature, arguments, input_names, input_spec, template, tensor_positions, batch_size,
+                  notes, static_batch=None) -> TracedModel:
+    graph_module, route_taken, output_spec, output_template, output_positions = result
     return TracedModel(
         graph_module=graph_module,
-        route="export-static",
+        route=route_taken,
         signature=signature,
         input_names=input_names,
         input_spec=input_spec,
@@ -270,10 +266,9 @@ def _trace_static(model, signature, arguments, leaves, input_spec, template, ten
         output_spec=output_spec,
         output_leaves=output_template,
         output_positions=output_positions,
-        batch_size=static_batch,
+        batch_size=batch_size,
         example_arguments={k: (torch.empty(0) if isinstance(v, torch.Tensor) else None) for k, v in arguments.items()},
-        notes=[f"traced at a static batch of {static_batch} rows (torch.export, no dynamic dimension): "
-               f"the model treats the batch size as a constant"],
+        notes=notes,
         static_batch=static_batch,
     )
 
