@@ -341,13 +341,15 @@ def _place(model: torch.nn.Module, result: Plan) -> None:
     Parameter objects stay the same (``.data`` is replaced), so optimizers keep working."""
     if all(s.device.type == "cpu" for s in result.stages):
         return
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
     placed: set[str] = set()
     for stage in result.stages:
         for name in stage.params:
             if name in placed:
                 continue
             placed.add(name)
-            tensor = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+            tensor = tensors[name]
             if tensor.device != stage.device:
                 with torch.no_grad():
                     tensor.data = tensor.data.to(stage.device)

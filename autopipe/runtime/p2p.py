@@ -62,6 +62,7 @@ class P2PTransport(Transport):
             raise ValueError(f"the plan has {spec.n_stages} stages but the group has {self.world} ranks")
         self.timeout = timedelta(seconds=timeout)
         self._tags = {e.name: k for k, e in enumerate(spec.edges)}
+        self._edges = {e.name: e for e in spec.edges}
         self._in = spec.into(self.rank)
         self._out = spec.out_of(self.rank)
         self._is_last = self.rank == self.world - 1
@@ -113,7 +114,7 @@ class P2PTransport(Transport):
                          for i in range(len(sizes))]
 
     def _edge(self, name: str) -> Edge:
-        return next(e for e in self.spec.edges if e.name == name)
+        return self._edges[name]
 
     def _value(self, i: int, name: str) -> Any:
         if name in self.local[i]:
@@ -130,8 +131,7 @@ class P2PTransport(Transport):
     def inputs(self, stage: int, i: int):
         self._arrived(self.fwd_recv, i)
         names = self.stage.input_names
-        grads = {e.name: e.grad for e in self._in}
-        return [self._value(i, n) for n in names], [grads.get(n, False) for n in names]
+        return [self._value(i, n) for n in names], [n in self._edges and self._edges[n].grad for n in names]
 
     def send_outputs(self, stage: int, i: int, outputs: list) -> None:
         produced = dict(zip(self.stage.output_names, outputs))

@@ -69,6 +69,13 @@ class Compiled:
             self._parameters = cached = (len(self.programs), list(unique.values()))
         return cached[1]
 
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters if p.requires_grad]
+
+    @property
+    def uses_rng(self) -> bool:
+        return any(s.uses_rng for program in self.programs.values() for s in program.stages)
+
     @property
     def main(self) -> Program:
         return next(iter(self.programs.values()))
@@ -116,18 +123,19 @@ class _PipelineFunction(torch.autograd.Function):
 class _Run:
     """One mini-batch through the pipeline."""
 
-    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], training: bool):
+    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int],
+                 params: list[torch.nn.Parameter], training: bool):
         self.pipe = pipe
         self.compiled = compiled
         self.batch = flat[0].shape[0]
-        self.sizes = microbatch.micro_batch_sizes(self.batch, pipe.chunks)
+        self.sizes = sizes
         self.chunks = len(self.sizes)
         self.programs = [compiled.program(size) for size in self.sizes]
         self.flat = flat
         self.training = training
         n_stages = compiled.plan.n_stages
         self.state = StepState.start(
-            training=training, random=pipe.model.training and any(s.uses_rng for p in self.programs for s in p.stages),
+            training=training, random=pipe.model.training and compiled.uses_rng,
             checkpoint=pipe.checkpoint, chunks=self.chunks,
             n_stages=n_stages, deferred_model=pipe.model if pipe.deferred_batch_norm else None,
             track_memory=pipe.track_memory)
@@ -138,7 +146,7 @@ class _Run:
         self.runners_all = list({id(r): r for p in self.programs for r in p.runners}.values())
         for r in self.runners_all:
             r.start_step()
-        self.params = [p for p in compiled.parameters if p.requires_grad] if training else []
+        self.params = params  # the autograd Function's inputs, in this order
         pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
 
     def _runner(self, task: Task) -> StageRunner:
@@ -372,24 +380,24 @@ class Pipeline(torch.nn.Module):
         shapes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
         return (self.model.training, str(spec), shapes)
 
-    def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor]]:
+    def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:
         compiled = self.compile_for(args, kwargs)
         flat = compiled.traced.flat_inputs(args, kwargs)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.chunks)
         if not compiled.covers(sizes):  # traced at static micro-batch sizes: trace the new ones
             compiled.programs.update(self._build(args, kwargs).programs)
         self._check_inputs(compiled, flat)
-        return compiled, flat
+        return compiled, flat, sizes
 
     def forward(self, *args, **kwargs):
-        compiled, flat = self._prepare(args, kwargs)
-        params = [p for p in compiled.parameters if p.requires_grad] if torch.is_grad_enabled() else []
+        compiled, flat, sizes = self._prepare(args, kwargs)
+        params = compiled.trainable() if torch.is_grad_enabled() else []
         training = bool(params) or (torch.is_grad_enabled() and any(t.requires_grad for t in flat))
         if training and self.schedule_name != "gpipe":
             raise RuntimeError(f"schedule={self.schedule_name!r} interleaves forward and backward, so it needs the "
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
-        run = _Run(self, compiled, flat, training)
+        run = _Run(self, compiled, flat, sizes, params, training)
         outputs = _PipelineFunction.apply(run, *flat, *params) if training else run.forward()
         return compiled.traced.rebuild_output(list(outputs))
 
@@ -400,8 +408,8 @@ class Pipeline(torch.nn.Module):
         and of ``target``), weighted by its share of the batch, so the gradients equal those of
         ``loss_fn(model(x), target)`` for a mean-reduced loss. Without ``loss_fn`` the model's
         output must be (or hold, as ``.loss``) a scalar loss. Gradients accumulate into ``.grad``."""
-        compiled, flat = self._prepare(args, kwargs)
-        run = _Run(self, compiled, flat, training=True)
+        compiled, flat, sizes = self._prepare(args, kwargs)
+        run = _Run(self, compiled, flat, sizes, compiled.trainable(), training=True)
         if loss_fn is None:
             loss_fn = model_loss
         targets = microbatch.split_target(target, run.sizes)
