@@ -1,5 +1,6 @@
 """Bad input gets a clear error before anything runs; a failing stage ends the step promptly."""
 import _thread
+import gc
 import threading
 import time
 
@@ -157,7 +158,8 @@ def test_failing_stage_ends_the_step_with_the_original_exception(where, checkpoi
     pipe = autopipe.compile(model, devices=3, chunks=4, checkpoint=checkpoint, leaf_modules=[Bomb])
     x = torch.randn(9, 8)  # micro-batches of 3, 2, 2, 2 rows: only micro-batch 0 has 3
     pipe(x).sum().backward()
-    threads = len(autopipe_threads())
+    gc.collect()  # earlier tests' pipelines stop their workers when collected; only this pipeline's may be running
+    threads = set(autopipe_threads())
     model.bomb.armed = (where, 3)
     bomb_stage = next(s.index for s in pipe.plan.stages if "bomb" in s.nodes)
     expected = ValueError if where == "forward" else ArithmeticError
@@ -167,7 +169,7 @@ def test_failing_stage_ends_the_step_with_the_original_exception(where, checkpoi
     assert time.perf_counter() - start < 10
     note = " ".join(getattr(info.value, "__notes__", []))
     assert f"raised in stage {bomb_stage} (cpu) on micro-batch 0 during {where}" in note
-    assert len(autopipe_threads()) == threads
+    assert set(autopipe_threads()) <= threads, "the failed step left threads behind"
     model.bomb.armed = None
     out = pipe(x)
     out.sum().backward()
