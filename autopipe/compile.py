@@ -300,12 +300,11 @@ def compile(
         n = max(1, world // max(1, data_parallel))
         options = Options.make([torch.device("cpu")] * n, chunks=chunks, balance=balance, checkpoint=checkpoint,
                                leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
-                               verbose=verbose and int(os.environ.get("RANK", "0")) == 0)
-        if schedule == "interleaved":
-            raise NotImplementedError("schedule='interleaved' runs several stages per process; under torchrun "
-                                      "autopipe runs one stage per rank: use 'gpipe' or '1f1b'")
+                               verbose=verbose and int(os.environ.get("RANK", "0")) == 0, schedule=schedule,
+                               virtual_stages=virtual_stages)
         pipe = DistributedPipeline(model, options, checkpoint, run_passes, data_parallel=data_parallel, timeout=timeout,
-                                   deferred_batch_norm=deferred_batch_norm, schedule=schedule)
+                                   deferred_batch_norm=deferred_batch_norm, schedule=schedule,
+                                   virtual_stages=virtual_stages)
         if example_inputs is not None or example_kwargs:
             pipe.build(_as_tuple(example_inputs), example_kwargs or {})
         return pipe

@@ -1,38 +1,115 @@
-"""Schedules side by side, in-process on CPU workers: GPipe, 1F1B, interleaved 1F1B (v=2).
+"""Schedules side by side: GPipe, 1F1B and interleaved 1F1B (v=2), autopipe vs torch.distributed.pipelining.
 
-    python benchmarks/schedules.py            # K=2 workers, M=8 (~1-2 min on 2 cores)
-    python benchmarks/schedules.py --quick    # tiny smoke test
+    python benchmarks/schedules.py            # K=2, M=8 (~3 min on 2 cores)
+    python benchmarks/schedules.py --quick    # tiny smoke test, not a measurement
 
 One model (benchmarks/_models.py transformer_like), one intra-op thread per
-worker, checkpoint="never", all schedules interleaved round by round with the
-plain 1-thread model. Per schedule: the step time (median), the ratio to
-GPipe's, the micro-batches the first stage held at once (counted from the
-timeline's forward/backward events as they ran), and the peak of saved
-activations per device: measured (track_memory, kept counted as the schedule
-holds it: in-flight micro-batches x bytes kept per micro-batch) and as the
-plan predicts (autopipe.memory_model).
+device, checkpoint="never", float32, MSE loss. Rows, per schedule:
 
-torch.distributed.pipelining's schedules run one process per stage; they are
-compared with ours under torchrun in benchmarks/distributed.py.
+- autopipe, in-process: ``autopipe.compile(model, devices=2, schedule=...)``, two CPU worker threads;
+- autopipe, 2 procs:   the same call under 2 gloo processes (torchrun's environment), its own split;
+- pipelining, 2 procs: torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
+  ScheduleInterleaved1F1B on a split written by hand (2 pieces, or 4 for interleaved: rank r
+  holds pieces r and r+2), shapes inferred at a warm-up step, as its docs show.
+
+Step time: median of ``--steps`` steps; within each part the variants run interleaved,
+order rotated each round. Memory: the peak of activations autograd saves for backward
+(bytes, each storage once, parameters excluded) per device, counted with one
+``saved_tensors_hooks`` for every row in an extra untimed step: the memory a schedule
+changes. "held" is the most micro-batches the first stage held at once, from
+autopipe's timeline. The gradient column is max |g - g_plain| / max |g_plain| over
+the parameters each device holds, against the plain model.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import socket
+import statistics
 import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from benchmarks._models import transformer_like  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+K = 2
 
 
-def _held(timeline, stage: int) -> int:
+class SavedPeak:
+    """Peak bytes of tensors saved for backward per device, each storage counted once while autograd holds it."""
+
+    def __init__(self, model: nn.Module, device_of=lambda: 0):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.device_of = device_of
+        self.lock = threading.Lock()
+        self.live: dict[int, list] = {}     # storage -> [bytes, references, device]
+        self.now: dict[int, int] = defaultdict(int)
+        self.peak: dict[int, int] = defaultdict(int)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.params and storage.nbytes():
+            with self.lock:
+                entry = self.live.get(key)
+                if entry is None:
+                    device = self.device_of()
+                    self.live[key] = [storage.nbytes(), 1, device]
+                    self.now[device] += storage.nbytes()
+                    self.peak[device] = max(self.peak[device], self.now[device])
+                else:
+                    entry[1] += 1
+            return _Held(self, key, t)
+        return _Held(None, key, t)
+
+    def release(self, key: int) -> None:
+        with self.lock:
+            entry = self.live[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.now[entry[2]] -= entry[0]
+                del self.live[key]
+
+
+class _Held:
+    __slots__ = ("owner", "key", "tensor")
+
+    def __init__(self, owner, key, tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self):
+        if self.owner is not None:
+            self.owner.release(self.key)
+
+
+def worker_device() -> int:
+    name = threading.current_thread().name
+    return int(name.removeprefix("autopipe-device")) if name.startswith("autopipe-device") else 0
+
+
+def held(timeline, stage: int) -> int:
     """Most micro-batches whose forward ran and backward did not, on one stage, as it ran."""
     live = peak = 0
     for e in sorted((e for e in timeline.events if e.stage == stage and e.kind in ("forward", "backward")),
@@ -42,52 +119,221 @@ def _held(timeline, stage: int) -> int:
     return peak
 
 
-def main() -> None:
-    p = C.parser(__doc__)
-    args = p.parse_args()
-    quick = args.quick
-    K, M = 2, (4 if quick else 8)
-    d, hidden, blocks, batch = (32, 64, 4, 32) if quick else (512, 2048, 8, 512)
-    model = transformer_like(d, hidden, blocks)
+def grad_error(model: nn.Module, reference: dict[str, torch.Tensor], names=None) -> float:
+    mine = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None and (names is None or n in names)]
+    scale = max(reference[n].abs().max().item() for n, _ in mine)
+    return max((g - reference[n]).abs().max().item() for n, g in mine) / scale
+
+
+def plain_grads(args, x, y) -> dict[str, torch.Tensor]:
+    model = build(args)
+    F.mse_loss(model(x), y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def build(args) -> nn.Module:
+    return transformer_like(args.d, args.hidden, args.blocks, seed=0)
+
+
+def data(args):
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
-    pipes = {name: autopipe.compile(model, devices=K, chunks=M, checkpoint="never", schedule=name, virtual_stages=v,
-                                    intra_op_threads=1, track_memory=True, example_inputs=(x,))
-             for name, v in SCHEDULES}
-    plain_step = C.on_thread(lambda: F.mse_loss(model(x), y).backward(), 1)
-    variants = {"plain": plain_step}
+    return torch.randn(args.batch, args.d, generator=g), torch.randn(args.batch, args.d, generator=g)
+
+
+# -- in-process --------------------------------------------------------------------------------
+
+def in_process(args) -> dict:
+    x, y = data(args)
+    plain = build(args)
+    pipes, models = {}, {}
+    for name, v in SCHEDULES:
+        models[name] = build(args)
+        pipes[name] = autopipe.compile(models[name], devices=K, chunks=args.chunks, checkpoint="never", schedule=name,
+                                       virtual_stages=v, intra_op_threads=1, example_inputs=(x,))
+    variants = {"plain": C.on_thread(lambda: F.mse_loss(plain(x), y).backward(), 1)}
     for name, pipe in pipes.items():
         variants[name] = lambda pipe=pipe: pipe.step(x, target=y, loss_fn=F.mse_loss)
-    t = C.interleaved(variants, repeats=3 if quick else 9, warmup=1, label="schedules: ")
-    rows = []
-    for (name, v), pipe in zip(SCHEDULES, pipes.values()):
-        model.zero_grad()
-        pipe.step(x, target=y, loss_fn=F.mse_loss)
-        schedule = pipe.schedule
-        measured = []
-        for dev in range(K):
-            total = 0
-            for s in schedule.stages_on(dev):
-                per_micro_batch = pipe.memory.stages[s].kept / M
-                total += _held(pipe.timeline, s) * per_micro_batch
-            measured.append(total)
-        predicted = [sum(pipe.plan.memory[s].kept_activations for s in schedule.stages_on(dev)) for dev in range(K)]
-        rows.append([name + (f" v={v}" if v > 1 else ""), C.fmt_s(t.median(name)),
-                     f"{t.ratio(name, 'gpipe'):.2f}x", f"{t.ratio('plain', name):.2f}x", str(_held(pipe.timeline, 0)),
-                     " / ".join(C.mib(m) for m in measured), " / ".join(C.mib(m) for m in predicted),
-                     f"{schedule.bubble_fraction:.3f}"])
-    for pipe in pipes.values():
+    t = C.interleaved(variants, repeats=args.steps, warmup=1, label="in-process: ")
+    reference = plain_grads(args, x, y)
+    results = {"plain": t.median("plain")}
+    for name, pipe in pipes.items():
+        models[name].zero_grad()
+        with SavedPeak(models[name], worker_device) as peak:
+            pipe.step(x, target=y, loss_fn=F.mse_loss)
+        results[name] = dict(seconds=t.median(name), peak=[peak.peak[d] for d in range(K)],
+                             held=held(pipe.timeline, 0), error=grad_error(models[name], reference),
+                             stages=[pipe.schedule.stages_on(d) for d in range(K)])
         pipe.close()
+    return results
+
+
+# -- two processes -------------------------------------------------------------------------------
+
+class Piece(nn.Module):
+    """Blocks [lo, hi) of a TransformerLike, with the input projection first and the norm and head last."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int):
+        super().__init__()
+        self.proj = model.proj if lo == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        self.norm, self.head = (model.norm, model.head) if hi == len(model.blocks) else (None, None)
+
+    def forward(self, x):
+        x = self.proj(x) if self.proj is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def pipelining_step(model: nn.Module, rank: int, name: str, v: int, x, y, chunks: int):
+    """torch.distributed.pipelining as its docs use it: the hand split, PipelineStage(s), the schedule class."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    n = K * v
+    bounds = [round(len(model.blocks) * k / n) for k in range(n + 1)]
+    stages = [PipelineStage(Piece(model, bounds[s], bounds[s + 1]), s, n, torch.device("cpu"))
+              for s in range(rank, n, K)]
+    if name == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=chunks, loss_fn=F.mse_loss)
+    else:
+        schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=chunks,
+                                                                      loss_fn=F.mse_loss)
+    names = {f"{p}" for s in stages for p, _ in _full_names(model, s.submod)}
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+    return step, names
+
+
+def _full_names(model: nn.Module, piece: nn.Module):
+    ids = {id(p) for p in piece.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in ids]
+
+
+def rank_main(rank: int, port: int, args, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(K), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=K, timeout=timedelta(seconds=300))
+        x, y = data(args)
+        plain = build(args)
+        steps, models, names, pipes = {}, {}, {}, {}
+
+        def plain_step():
+            if rank == 0:
+                F.mse_loss(plain(x), y).backward()
+        steps["plain"] = plain_step
+        for name, v in SCHEDULES:
+            models[("autopipe", name)] = model = build(args)
+            pipe = autopipe.compile(model, chunks=args.chunks, checkpoint="never", schedule=name, virtual_stages=v,
+                                    example_inputs=(x,))
+            pipes[name] = pipe
+            steps[("autopipe", name)] = lambda pipe=pipe: pipe.step(x, target=y, loss_fn=F.mse_loss)
+            names[("autopipe", name)] = {n for n, _ in pipe.named_parameters()}
+            models[("pipelining", name)] = model = build(args)
+            steps[("pipelining", name)], names[("pipelining", name)] = pipelining_step(model, rank, name, v, x, y,
+                                                                                       args.chunks)
+        keys = list(steps)
+        times = {k: [] for k in keys}
+        for rep in range(1 + args.steps):
+            for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+                for m in models.values():
+                    m.zero_grad(set_to_none=True)
+                dist.barrier()
+                start = time.perf_counter()
+                steps[k]()
+                dist.barrier()
+                if rep:
+                    times[k].append(time.perf_counter() - start)
+        reference = plain_grads(args, x, y)
+        results = {"plain": statistics.median(times["plain"])}
+        for k in keys[1:]:
+            models[k].zero_grad(set_to_none=True)
+            dist.barrier()
+            with SavedPeak(models[k]) as peak:
+                steps[k]()
+            dist.barrier()
+            results[k] = dict(seconds=statistics.median(times[k]), peak=peak.peak[0],
+                              error=grad_error(models[k], reference, names[k]),
+                              held=held(pipes[k[1]].timeline, rank) if k[0] == "autopipe" and rank == 0 else None)
+        queue.put((rank, results))
+        for pipe in pipes.values():
+            pipe.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+def two_processes(args) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, port, args, queue)) for r in range(K)]
+    for p in procs:
+        p.start()
+    results: list = [None] * K
+    try:
+        for _ in range(K):
+            rank, got = queue.get()
+            if isinstance(got, str):
+                raise RuntimeError(f"rank {rank} failed:\n{got}")
+            results[rank] = got
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def main() -> None:
+    p = C.parser(__doc__)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 7, --quick 1)")
+    args = p.parse_args()
+    args.chunks = 4 if args.quick else 8
+    args.d, args.hidden, args.blocks, args.batch = (32, 64, 4, 32) if args.quick else (512, 2048, 8, 512)
+    args.steps = args.steps or (1 if args.quick else 7)
+    C.progress("in-process part")
+    local = in_process(args)
+    C.progress("2-process part")
+    ranks = two_processes(args)
+    rows = []
+    for name, v in SCHEDULES:
+        label = name + (f" v={v}" if v > 1 else "")
+        ours, theirs = ranks[0][("autopipe", name)], ranks[0][("pipelining", name)]
+        mine = local[name]
+        rows.append([label, "autopipe, in-process", C.fmt_s(mine["seconds"]), "", C.fmt_x(local["plain"] / mine["seconds"]),
+                     " / ".join(C.mib(b) for b in mine["peak"]), "", str(mine["held"]), f"{mine['error']:.1e}"])
+        for who, res in (("autopipe", ours), ("pipelining", theirs)):
+            peaks = [ranks[r][(who, name)]["peak"] for r in range(K)]
+            other = [ranks[r][("pipelining", name)]["peak"] for r in range(K)]
+            error = max(ranks[r][(who, name)]["error"] for r in range(K))
+            rows.append([label, f"{who}, 2 procs", C.fmt_s(res["seconds"]),
+                         C.fmt_x(theirs["seconds"] / res["seconds"]) if who == "autopipe" else "1.00x",
+                         C.fmt_x(ranks[0]["plain"] / res["seconds"]), " / ".join(C.mib(b) for b in peaks),
+                         f"{max(a / b for a, b in zip(peaks, other)):.2f}x" if who == "autopipe" else "1.00x",
+                         str(res["held"]) if res["held"] is not None else "", f"{error:.1e}"])
     head = C.header("schedules", [
-        f"model: transformer_like(d={d}, hidden={hidden}, blocks={blocks}), batch {batch}, MSE loss, float32",
-        f"K={K} CPU workers x 1 intra-op thread, M={M} micro-batches, checkpoint='never'; plain = the model on 1 thread",
-        C.timing_line(t),
-        "held = most micro-batches stage 0 held at once (from the timeline); saved activations per device: "
-        "measured (in flight x kept per micro-batch) and predicted by the plan (autopipe.memory_model)",
-    ], quick=quick)
-    table = C.table(rows, ["schedule", "s/step", "vs gpipe (time)", "speedup vs plain", "held (stage 0)",
-                           "saved acts per device, measured", "predicted", "bubble (table)"])
-    C.write("schedules", head + "\n" + table, quick=quick, results_dir=args.results_dir)
+        f"model: transformer_like(d={args.d}, hidden={args.hidden}, blocks={args.blocks}), batch {args.batch}, "
+        f"MSE loss, float32, checkpoint='never'",
+        f"K={K} devices (CPU worker threads in-process; gloo processes otherwise) x 1 intra-op thread, "
+        f"M={args.chunks} micro-batches; plain = the model on 1 thread",
+        f"step time: median of {args.steps} steps after 1 warm-up, variants interleaved within each part",
+        "speed vs pipelining: its s/step / ours (>1: faster); memory vs pipelining: the largest per-device ratio of "
+        "saved activations (<=1: no more)",
+    ], quick=args.quick)
+    table = C.table(rows, ["schedule", "runtime", "s/step", "speed vs pipelining", "speedup vs plain",
+                           "saved activations per device (peak)", "memory vs pipelining", "held (stage 0)",
+                           "grad error vs plain"])
+    C.write("schedules", head + "\n" + table, quick=args.quick, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

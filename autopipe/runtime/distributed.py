@@ -8,6 +8,8 @@ tensor straight to the rank that reads it; see notes/distributed.md for why
 not torch.distributed.pipelining: it neither sums gradients of tied weights
 across stages nor supports a tensor read by two later stages).
 
+With the interleaved schedule a rank holds v stages: stage s runs on rank s % K.
+
 Pipeline x data parallel: with world = K x D ranks, replica p holds ranks
 p*K .. p*K+K-1; stage s's gradients are averaged over its D replicas, and a
 parameter shared by two stages (tied embeddings) has its gradient summed over
@@ -59,7 +61,7 @@ class DistributedPipeline(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, options: Any, checkpoint: str, run_passes: Callable,
                  data_parallel: int = 1, timeout: float = 300.0, deferred_batch_norm: bool = False,
-                 materialize_seed: int = 0, schedule: str = "gpipe"):
+                 materialize_seed: int = 0, schedule: str = "gpipe", virtual_stages: int = 1):
         super().__init__()
         object.__setattr__(self, "model", model)
         _refuse_cuda((f"model tensor {n!r}", p) for n, p in itertools.chain(model.named_parameters(), model.named_buffers()))
@@ -69,9 +71,12 @@ class DistributedPipeline(torch.nn.Module):
         self.rank = dist.get_rank()
         if data_parallel < 1 or self.world % data_parallel:
             raise ValueError(f"data_parallel={data_parallel} must divide the world size {self.world}")
-        self.n_stages = self.world // data_parallel
+        self.n_ranks = self.world // data_parallel     # K: ranks per pipeline replica
+        self.n_stages = self.n_ranks * virtual_stages
+        self.virtual_stages = virtual_stages
         self.data_parallel = data_parallel
-        self.replica, self.stage_index = divmod(self.rank, self.n_stages)
+        self.replica, self.stage_index = divmod(self.rank, self.n_ranks)  # stage_index: this rank's first stage
+        self.stage_indices = list(range(self.stage_index, self.n_stages, self.n_ranks))
         self.options = options
         self.chunks = options.chunks
         self.checkpoint = checkpoint
@@ -82,11 +87,12 @@ class DistributedPipeline(torch.nn.Module):
         self._run_passes = run_passes
         self.device = torch.device("cpu")
         self._built = None
+        self._schedules: dict[int, Schedule] = {}
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        self.pipeline_groups = [dist.new_group(list(range(p * self.n_stages, (p + 1) * self.n_stages)))
+        self.pipeline_groups = [dist.new_group(list(range(p * self.n_ranks, (p + 1) * self.n_ranks)))
                                 for p in range(data_parallel)]
-        self.data_parallel_groups = [dist.new_group(list(range(s, self.world, self.n_stages)))
-                                     for s in range(self.n_stages)]
+        self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks)))
+                                     for r in range(self.n_ranks)]
 
     # -- what a user looks at ---------------------------------------------------
     @property
@@ -95,44 +101,52 @@ class DistributedPipeline(torch.nn.Module):
         return self._built["plan"]
 
     @property
-    def stage(self):
+    def stages(self) -> list:
+        """This rank's stages (one, or v with the interleaved schedule)."""
         self._require_built()
-        return self._built["stage"]
+        return self._built["stages"]
 
     @property
-    def stages(self):
-        return [self.stage]
+    def stage(self):
+        if len(self.stages) != 1:
+            raise AttributeError(f"rank {self.rank} holds {len(self.stages)} stages: use pipe.stages")
+        return self.stages[0]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's parameters under the model's own names."""
+        seen = set()
+        for stage in self.stages:
+            for name, p in stage.named_parameters(prefix, recurse, remove_duplicate=False):
+                if not (remove_duplicate and id(p) in seen):
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self, recurse: bool = True):
-        self._require_built()
-        return self.stage.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        self._require_built()
-        return self.stage.named_parameters(*args, **kwargs)
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
     def state_dict(self, *args, **kwargs):
         """This rank's slice of the model's state dict, under the model's own names."""
-        self._require_built()
-        return self.stage.state_dict(*args, **kwargs)
+        out = {}
+        for stage in self.stages:
+            out.update(stage.state_dict(*args, **kwargs))
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = False, assign: bool = False):
         """Load this rank's slice from a full (or partial) state dict of the model."""
-        self._require_built()
-        mine = {k: v for k, v in state_dict.items() if k in self.stage.state_dict()}
-        return self.stage.load_state_dict(mine, strict=strict, assign=assign)
-
+        for stage in self.stages:
+            mine = {k: v for k, v in state_dict.items() if k in stage.state_dict()}
+            stage.load_state_dict(mine, strict=strict, assign=assign)
     def train(self, mode: bool = True):
         self.model.train(mode)
         self.training = mode
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._require_built()
-        self.stage.zero_grad(set_to_none)
+        for stage in self.stages:
+            stage.zero_grad(set_to_none)
 
     def __repr__(self) -> str:
-        return (f"DistributedPipeline(rank {self.rank}: stage {self.stage_index} of {self.n_stages}, "
+        return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {self.n_stages}, "
                 f"replica {self.replica} of {self.data_parallel}, chunks={self.chunks}, checkpoint={self.checkpoint!r})")
 
     def _require_built(self):
@@ -155,12 +169,12 @@ class DistributedPipeline(torch.nn.Module):
             raise NotImplementedError("this model specialises on the batch size and the batch does not divide into "
                                       "equal micro-batches; under torchrun use a batch divisible by chunks")
         program = compiled.main
-        plan = program.plan
-        stage = program.stages[self.stage_index]
-        transport = P2PTransport(WireSpec.from_plan(program.plan), stage, group=self.pipeline_groups[self.replica],
+        stages = {s: program.stages[s] for s in self.stage_indices}
+        transport = P2PTransport(WireSpec.from_plan(program.plan), stages, group=self.pipeline_groups[self.replica],
                                  timeout=self.timeout, name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
-        self._built = {"traced": program.traced, "plan": program.plan, "stage": stage,
-                       "runner": StageRunner(stage), "transport": transport, "shared": self._shared_groups(plan)}
+        self._built = {"traced": program.traced, "plan": program.plan, "stages": list(stages.values()),
+                       "runners": {s: StageRunner(stage) for s, stage in stages.items()}, "transport": transport,
+                       "shared": self._shared_groups(program.plan)}
 
     def _materialize(self, plan) -> None:
         """A model built on meta: create and initialise only this rank's parameters and buffers.
@@ -168,7 +182,7 @@ class DistributedPipeline(torch.nn.Module):
         Tensors are swapped by identity in every module that holds them, so tied weights stay
         tied. Only the module of a tensor's first (canonical) name is reset, with a generator
         seeded by that name, so a tied weight initialises identically on every rank."""
-        mine = plan.stages[self.stage_index].params
+        mine = [name for s in self.stage_indices for name in plan.stages[s].params]
         fresh: dict[int, torch.Tensor] = {}
         owners: list[str] = []
         for name in mine:
@@ -206,9 +220,11 @@ class DistributedPipeline(torch.nn.Module):
         groups = []
         for p in range(self.data_parallel):
             for name, stages in sorted(plan.shared_params.items()):
-                ranks = [p * self.n_stages + s for s in stages]
+                ranks = sorted({p * self.n_ranks + s % self.n_ranks for s in stages})
+                if len(ranks) < 2:
+                    continue  # the stages that share it are all on one rank: summed there
                 group = dist.new_group(ranks)
-                if self.replica == p and self.stage_index in stages:
+                if self.rank in ranks:
                     groups.append((name, group))
         return groups
 
@@ -221,46 +237,52 @@ class DistributedPipeline(torch.nn.Module):
         if self._built is None:
             self.build(args, kwargs)
         built = self._built
-        traced, transport, runner = built["traced"], built["transport"], built["runner"]
+        traced, transport, runners = built["traced"], built["transport"], built["runners"]
         flat = traced.flat_inputs(args, kwargs)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.chunks)
         rows = microbatch.split(flat, traced.input_names, sizes)
         local = [dict(zip(traced.input_names, row)) for row in rows]
+        schedule = self._schedules.get(len(sizes))
+        if schedule is None:
+            schedule = self._schedules[len(sizes)] = Schedule.build(self.schedule_name, self.n_ranks, len(sizes),
+                                                                    self.virtual_stages)
         state = StepState.start(training=True, random=self.model.training, checkpoint=self.checkpoint,
-                                chunks=len(sizes), n_stages=self.n_stages,
-                                deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False)
-        schedule = Schedule.build(self.schedule_name, self.n_stages, len(sizes))
+                                schedule=schedule, deferred_model=self.model if self.deferred_batch_norm else None,
+                                track_memory=False)
         loss = None
-        if self.stage_index == self.n_stages - 1:
+        if self.n_stages - 1 in runners:
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output,
                         targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes],
-                        last_stage=self.stage_index)
+                        last_stage=self.n_stages - 1)
 
         def run():
-            runner.start_step()
-            transport.start_step(local, sizes)
-            run_tasks(schedule.stage_order(self.stage_index), lambda task: runner, transport, state, loss)
+            for runner in runners.values():
+                runner.start_step()
+            order = schedule.device_order(self.stage_index)
+            transport.start_step(local, sizes, order)
+            run_tasks(order, lambda task: runners[task.stage], transport, state, loss)
             transport.finish_step()
 
         transport.run(run)
+        self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()
         with torch.no_grad():
-            for p, g in zip(runner.params, runner.param_grads):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+            for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
+                for p, g in zip(runner.params, runner.param_grads):
+                    if g is not None:
+                        p.grad = g if p.grad is None else p.grad.add_(g)
         self._reduce_gradients()
         return loss.total if loss is not None else None
 
     def _reduce_gradients(self) -> None:
-        stage = self._built["stage"]
         for name, group in self._built["shared"]:
             p = _tensor(self.model, name)  # by its canonical name; the stage may know it by another
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
         if self.data_parallel > 1:
-            grads = [p.grad for p in stage.parameters() if p.grad is not None]
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 dist.all_reduce(flat, group=self.data_parallel_groups[self.stage_index])

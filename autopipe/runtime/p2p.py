@@ -1,8 +1,8 @@
 """The torch.distributed transport: point-to-point sends of each cross-cut value to the rank that reads it.
 
-One stage per rank. At the start of a step every receive of the step is posted
-(activations and gradients, all micro-batches), so data lands while the rank
-computes; each output is sent with a non-blocking send as soon as it exists;
+One stage per rank (v with the interleaved schedule). The receives of a task
+are posted a few tasks before it runs, so data lands while the rank computes;
+each output is sent with a non-blocking send as soon as it exists;
 the executor (runtime/executor.py) decides the order of the work from the
 Schedule. Tags are unique per (edge, micro-batch, direction), which gloo
 matches on. (NCCL ignores tags and matches per peer pair in order: a NCCL
@@ -35,9 +35,11 @@ import torch
 import torch.distributed as dist
 
 from .executor import Transport
+from .schedule import Task
 from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
+LOOKAHEAD = 2  # tasks whose receives are posted ahead of the one running
 
 
 class PipelineError(RuntimeError):
@@ -51,21 +53,26 @@ class _CommError(RuntimeError):
 
 
 class P2PTransport(Transport):
-    """This rank's end of the pipeline's messages (see module docstring)."""
+    """This rank's end of the pipeline's messages (see module docstring).
 
-    def __init__(self, spec: WireSpec, stage, *, group: dist.ProcessGroup, timeout: float, name: str) -> None:
-        self.spec, self.stage = spec, stage
+    The rank holds ``stages`` (one, or v for the interleaved schedule: stage s lives on rank s % world).
+    A value whose reader is on the same rank, or its gradient, is handed over in memory."""
+
+    def __init__(self, spec: WireSpec, stages: dict[int, Any], *, group: dist.ProcessGroup, timeout: float,
+                 name: str) -> None:
+        self.spec, self.stages = spec, stages
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        if self.world != spec.n_stages:
-            raise ValueError(f"the plan has {spec.n_stages} stages but the group has {self.world} ranks")
+        if spec.n_stages % self.world or sorted(stages) != list(range(self.rank, spec.n_stages, self.world)):
+            raise ValueError(f"rank {self.rank} of {self.world} cannot hold stages {sorted(stages)} of a "
+                             f"{spec.n_stages}-stage plan (stage s runs on rank s % {self.world})")
         self.timeout = timedelta(seconds=timeout)
         self._tags = {e.name: k for k, e in enumerate(spec.edges)}
         self._edges = {e.name: e for e in spec.edges}
-        self._in = spec.into(self.rank)
-        self._out = spec.out_of(self.rank)
-        self._is_last = self.rank == self.world - 1
+        # remote values this rank reads, each received once and waited for by its first local reader
+        self._in = {e.name: e for t in sorted(stages) for e in spec.into(t) if not self._local(e.src)}
+        self._first_reader = {n: min(d for d in e.dsts if self._local(d)) for n, e in self._in.items()}
         base = dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(name, base)
         self._failed: str | None = None   # set once this pipeline is dead
@@ -87,6 +94,9 @@ class P2PTransport(Transport):
         if self._wd is not None:
             self._wd.start()
 
+    def _local(self, stage: int) -> bool:
+        return stage % self.world == self.rank
+
     def _check_spec(self) -> None:
         mine = self.spec.digest()
         self._store.set(f"spec/{self.rank}", mine)
@@ -97,81 +107,105 @@ class P2PTransport(Transport):
                                  f"call compile and step with the same model and arguments on every rank")
 
     # -- one step --------------------------------------------------------------
-    def start_step(self, local: list[dict[str, Any]], sizes: Sequence[int]) -> None:
-        """Post every receive of the step; ``local[i]``: the graph inputs of micro-batch i by name."""
-        self.local, self.sizes = local, list(sizes)
+    def start_step(self, local: list[dict[str, Any]], sizes: Sequence[int], order: Sequence[Task]) -> None:
+        """``local[i]``: the graph inputs of micro-batch i by name; ``order``: this rank's tasks in the order
+        they run. Receives are posted a few tasks ahead of the task that reads them, so data lands while the
+        rank computes, yet a 1F1B rank holds buffers for the micro-batches in flight, not for all M."""
+        self.local, self.sizes, self.order = local, list(sizes), list(order)
         self.outputs: list[dict[str, Any]] = [{} for _ in sizes]
         self.final_grads: list[dict[str, Any]] = [{} for _ in sizes]
         self.sends: list = []
-        self.received = [{e.name: e.empty(rows) for e in self._in} for rows in sizes]
-        self.grad_bufs = [{(e.name, d): e.empty(rows) for e in self._out if e.grad for d in e.dsts} for rows in sizes]
-        self.fwd_recv = [self._post([("recv", self.received[i][e.name], e.src, self._tag(e, i, False),
-                                      f"receive {e.name!r} mb {i} from rank {e.src}") for e in self._in])
-                         for i in range(len(sizes))]
-        self.bwd_recv = [self._post([("recv", buf, d, self._tag(self._edge(n), i, True),
-                                      f"receive grad of {n!r} mb {i} from rank {d}")
-                                     for (n, d), buf in self.grad_bufs[i].items()])
-                         for i in range(len(sizes))]
+        self.received: list[dict[str, torch.Tensor]] = [{} for _ in sizes]
+        # the gradient each reader stage sends back for a value a local stage made, by (name, reader)
+        self.grads: list[dict[tuple[str, int], Any]] = [{} for _ in sizes]
+        self.posted: dict[tuple[str, int, int], list] = {}
+        self._position = {(t.kind, t.stage, t.micro_batch): k for k, t in enumerate(self.order)}
+        self._next_to_post = 0
 
-    def _edge(self, name: str) -> Edge:
-        return self._edges[name]
+    def _receive(self, kind: str, stage: int, i: int) -> None:
+        """Wait for a task's messages, first posting the receives of the tasks up to LOOKAHEAD after it."""
+        through = min(len(self.order), self._position[(kind, stage, i)] + 1 + LOOKAHEAD)
+        while self._next_to_post < through:
+            self._post_receives(self.order[self._next_to_post])
+            self._next_to_post += 1
+        self._wait(self.posted.pop((kind, stage, i), []))  # a gloo work must not be waited on twice
+
+    def _post_receives(self, task: Task) -> None:
+        i, rows, ops = task.micro_batch, self.sizes[task.micro_batch], []
+        if task.kind == "F":
+            for n, e in self._in.items():
+                if self._first_reader[n] == task.stage:
+                    self.received[i][n] = buf = e.empty(rows)
+                    r = e.src % self.world
+                    ops.append(("recv", buf, r, self._tag(e, i, None), f"receive {n!r} mb {i} from rank {r}"))
+        else:
+            for e in self.spec.out_of(task.stage):
+                for d in (d for d in e.dsts if e.grad and not self._local(d)):
+                    self.grads[i][(e.name, d)] = buf = e.empty(rows)
+                    r = d % self.world
+                    ops.append(("recv", buf, r, self._tag(e, i, d), f"receive grad of {e.name!r} mb {i} from rank {r}"))
+        self.posted[(task.kind, task.stage, i)] = self._post(ops)
 
     def _value(self, i: int, name: str) -> Any:
         if name in self.local[i]:
             return self.local[i][name]
         if name in self.outputs[i]:
             return self.outputs[i][name]
-        return self._edge(name).from_wire(self.received[i][name])
-
-    def _arrived(self, posted: list, i: int) -> None:
-        """Wait for micro-batch i's receives once (a gloo work must not be waited on twice)."""
-        self._wait(posted[i])
-        posted[i] = []
+        return self._edges[name].from_wire(self.received[i][name])
 
     def inputs(self, stage: int, i: int):
-        self._arrived(self.fwd_recv, i)
-        names = self.stage.input_names
+        self._receive("F", stage, i)
+        names = self.stages[stage].input_names
         return [self._value(i, n) for n in names], [n in self._edges and self._edges[n].grad for n in names]
 
     def send_outputs(self, stage: int, i: int, outputs: list) -> None:
-        produced = dict(zip(self.stage.output_names, outputs))
-        self.outputs[i] = produced
+        produced = dict(zip(self.stages[stage].output_names, outputs))
+        self.outputs[i].update(produced)
         ops = []
-        for e in self._out:
+        for e in self.spec.out_of(stage):
             payload = e.to_wire(produced[e.name])
-            ops += [("send", payload, d, self._tag(e, i, False), f"send {e.name!r} mb {i} to rank {d}") for d in e.dsts]
+            for r in sorted({d % self.world for d in e.dsts} - {self.rank}):
+                ops.append(("send", payload, r, self._tag(e, i, None), f"send {e.name!r} mb {i} to rank {r}"))
         self.sends += self._post(ops)
 
-    def finals(self, i: int) -> list:
-        self._arrived(self.fwd_recv, i)
+    def finals(self, i: int) -> list:  # after the last stage's forward, which received them
         return [self._value(i, n) for n in self.spec.graph_outputs]
 
     def send_final_grads(self, i: int, grads: list) -> None:
         self.final_grads[i] = dict(zip(self.spec.graph_outputs, grads))
 
     def output_grads(self, stage: int, i: int) -> list:
-        self._arrived(self.bwd_recv, i)
+        """The loss's gradient (last stage), then each reader stage's, in stage order: a fixed sum."""
+        self._receive("B", stage, i)
+        last = stage == self.spec.n_stages - 1
         grads = []
-        for name in self.stage.output_names:
-            total = self.final_grads[i].get(name)  # the loss's, on the last rank
-            for (n, d), buf in self.grad_bufs[i].items():  # then each reader's, in rank order
-                if n == name:
-                    total = buf if total is None else total + buf
+        for name in self.stages[stage].output_names:
+            total = self.final_grads[i].get(name) if last else None
+            edge = self._edges.get(name)
+            for d in edge.dsts if edge is not None and edge.grad else ():
+                g = self.grads[i].get((name, d))
+                if g is not None:
+                    total = g if total is None else total + g
             grads.append(total)
         return grads
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
-        mine = dict(zip(self.stage.input_names, grads))
+        mine = dict(zip(self.stages[stage].input_names, grads))
+        last = stage == self.spec.n_stages - 1
         ops = []
-        for e in self._in:
+        for e in self.spec.into(stage):
             if not e.grad:
                 continue
             g = mine.get(e.name)
-            final = self.final_grads[i].get(e.name)  # a model output made earlier, read by the loss here
+            final = self.final_grads[i].get(e.name) if last else None  # a model output made earlier, read by the loss here
             if final is not None:
                 g = final if g is None else g + final
+            if self._local(e.src):
+                self.grads[i][(e.name, stage)] = g
+                continue
             g = torch.zeros(e.info.micro_batch_shape(self.sizes[i]), dtype=e.info.dtype) if g is None else g
-            ops.append(("send", g.contiguous(), e.src, self._tag(e, i, True), f"send grad of {e.name!r} mb {i} to rank {e.src}"))
+            r = e.src % self.world
+            ops.append(("send", g.contiguous(), r, self._tag(e, i, stage), f"send grad of {e.name!r} mb {i} to rank {r}"))
         self.sends += self._post(ops)
 
     def finish_step(self) -> None:
@@ -213,8 +247,10 @@ class P2PTransport(Transport):
             raise
 
     # -- messages --------------------------------------------------------------
-    def _tag(self, e: Edge, i: int, backward: bool) -> int:
-        return (self._tags[e.name] * len(self.sizes) + i) * 2 + int(backward)
+    def _tag(self, e: Edge, i: int, reader: int | None) -> int:
+        """Unique per (edge, micro-batch, direction; the reader stage for a gradient)."""
+        kind = 0 if reader is None else reader + 1
+        return ((self._tags[e.name] * len(self.sizes) + i) * (self.spec.n_stages + 1)) + kind
 
     def _post(self, ops: list[tuple[str, torch.Tensor, int, int, str]]) -> list[tuple[Any, int, str]]:
         """Post ("send"|"recv", tensor, peer, tag, what) ops; returns [(work, peer, what)]."""

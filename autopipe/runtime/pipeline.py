@@ -133,16 +133,14 @@ class _Run:
         self.programs = [compiled.program(size) for size in self.sizes]
         self.flat = flat
         self.training = training
-        n_stages = compiled.plan.n_stages
+        self.schedule = pipe.schedule_for(self.chunks)
         self.state = StepState.start(
             training=training, random=pipe.model.training and compiled.uses_rng,
-            checkpoint=pipe.checkpoint, chunks=self.chunks,
-            n_stages=n_stages, deferred_model=pipe.model if pipe.deferred_batch_norm else None,
+            checkpoint=pipe.checkpoint, schedule=self.schedule, deferred_model=pipe.model if pipe.deferred_batch_norm else None,
             track_memory=pipe.track_memory)
         self.input_grad = [training and t.requires_grad for t in flat]
         rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
-        self.schedule = pipe.schedule_for(self.chunks)
         self.runners_all = list({id(r): r for p in self.programs for r in p.runners}.values())
         for r in self.runners_all:
             r.start_step()
@@ -261,9 +259,8 @@ class Pipeline(torch.nn.Module):
         self._current: Compiled | None = None
         self._schedules: dict[int, Schedule] = {}
         self._orders: dict[tuple, list[list[Task]]] = {}
-        n_stages = len(devices) * virtual_stages
-        self.timeline = Timeline(n_stages, chunks)  # of the last step; printable
-        self.memory = MemoryReport.empty(n_stages, checkpoint)  # of the last step, with track_memory=True
+        self.timeline = Timeline(self.schedule)  # of the last step; printable
+        self.memory = MemoryReport.empty(len(devices) * virtual_stages, checkpoint)  # of the last step, with track_memory=True
         cpu_workers = sum(1 for d in devices if d.type == "cpu")
         self.intra_op_threads = intra_op_threads or max(1, (os.cpu_count() or 1) // max(cpu_workers, 1))
         self.workers = [Worker(d, f"autopipe-device{j}", self.intra_op_threads if d.type == "cpu" else None)

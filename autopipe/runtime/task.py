@@ -38,6 +38,7 @@ import torch
 
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
+from .schedule import Schedule
 from .timeline import Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -113,12 +114,13 @@ class StepState:
     deferred: DeferredStatistics | None = None
 
     @classmethod
-    def start(cls, *, training: bool, random: bool, checkpoint: str, chunks: int, n_stages: int,
+    def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
               deferred_model: torch.nn.Module | None, track_memory: bool) -> "StepState":
         seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
-        return cls(training=training, random=random, checkpoint=checkpoint if training else "never", chunks=chunks,
-                   seed=seed, ambient=Ambient.capture(), timeline=Timeline(n_stages, chunks),
-                   memory=MemoryReport([StageMemory() for _ in range(n_stages)], checkpoint) if track_memory else None,
+        return cls(training=training, random=random, checkpoint=checkpoint if training else "never",
+                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(),
+                   timeline=Timeline(schedule if training else schedule.forward_only()),
+                   memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)], checkpoint) if track_memory else None,
                    deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None)
 
     def recomputes(self, micro_batch: int) -> bool:

@@ -1,8 +1,9 @@
-"""Timeline: what ran when in the last step, per stage; a text Gantt chart and a Chrome trace.
+"""Timeline: what ran when in the last step; a text Gantt chart per device and a Chrome trace.
 
-The measured bubble (idle share of stage time between the first task's start
-and the last task's end) prints next to GPipe's prediction (K-1)/(M+K-1), and
-per-stage busy time shows the measured imbalance.
+Rows are devices, as in ``print(pipe.schedule)``, so a step can be read against
+its schedule: the order each device ran its tasks in, the measured bubble (idle
+share of device time between the first task's start and the last task's end)
+next to the schedule's own, and the busy time per device (the measured imbalance).
 """
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .schedule import Schedule
+
 KINDS = ("forward", "recompute", "backward", "copy")
+_MARK = {"forward": "F", "recompute": "R", "backward": "B"}
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,7 @@ class Event:
 
 @dataclass
 class Timeline:
-    n_stages: int
-    chunks: int
+    schedule: Schedule
     events: list[Event] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -59,48 +62,59 @@ class Timeline:
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0) - self.start
 
-    def busy(self, stage: int) -> float:
-        """Seconds the stage's worker spent computing (forward, recompute, backward; copies overlap them)."""
-        return sum(e.seconds for e in self.events if e.stage == stage and e.kind != "copy")
+    def device_events(self, device: int) -> list[Event]:
+        """The device's computing events (forward, recompute, backward) in the order they started."""
+        return sorted((e for e in self.events if e.kind != "copy" and self.schedule.device_of(e.stage) == device),
+                      key=lambda e: e.start)
+
+    def busy(self, device: int) -> float:
+        """Seconds the device's worker spent computing (copies overlap compute)."""
+        return sum(e.seconds for e in self.device_events(device))
+
+    def ran(self, device: int) -> list[str]:
+        """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>; R<i> a recompute)."""
+        suffix = self.schedule.virtual_stages > 1
+        return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "") for e in self.device_events(device)]
 
     @property
     def measured_bubble(self) -> float:
         if not self.makespan:
             return 0.0
-        return 1.0 - sum(self.busy(s) for s in range(self.n_stages)) / (self.n_stages * self.makespan)
+        k = self.schedule.n_devices
+        return 1.0 - sum(self.busy(d) for d in range(k)) / (k * self.makespan)
 
     @property
     def predicted_bubble(self) -> float:
-        return (self.n_stages - 1) / (self.chunks + self.n_stages - 1)
+        return self.schedule.bubble_fraction
 
     @property
     def measured_imbalance(self) -> float:
-        busy = [self.busy(s) for s in range(self.n_stages)]
-        mean = sum(busy) / len(busy) if busy else 0.0
+        busy = [self.busy(d) for d in range(self.schedule.n_devices)]
+        mean = sum(busy) / len(busy)
         return max(busy) / mean if mean else 1.0
 
     # -- views -----------------------------------------------------------------
     def __str__(self, width: int = 96) -> str:
+        s = self.schedule
         if not self.events:
-            return "Timeline: no step has run yet"
+            return f"Timeline: no step has run yet ({s.name}, K={s.n_devices}, M={s.chunks})"
         t0, span = self.start, self.makespan or 1e-9
-        rows = [f"Timeline of the last step: {self.n_stages} stages x {self.chunks} micro-batches, "
+        rows = [f"Timeline of the last step: {s.name} schedule, {s.n_devices} devices x {s.chunks} micro-batches"
+                f"{f', {s.virtual_stages} stages per device' if s.virtual_stages > 1 else ''}, "
                 f"{1e3 * self.makespan:.1f} ms",
-                "  cells: micro-batch number (mod 10) in forward, the same in backward after the forward phase, "
-                "'^' recompute, '.' idle"]
-        for s in range(self.n_stages):
+                "  a task is drawn as F (forward), R (recompute) or B (backward) then its micro-batch (mod 10) "
+                "repeated over its time; '.' idle"]
+        for d in range(s.n_devices):
             cells = ["."] * width
-            for e in sorted(self.events, key=lambda e: KINDS.index(e.kind)):
-                if e.stage != s or e.kind == "copy":
-                    continue
-                a = int((e.start - t0) / span * width)
-                b = max(a + 1, int((e.end - t0) / span * width))
-                mark = "^" if e.kind == "recompute" else str(e.micro_batch % 10)
-                for c in range(a, min(b, width)):
-                    if e.kind != "backward" or cells[c] != "^":
-                        cells[c] = mark
-            rows.append(f"stage {s:<2} |{''.join(cells)}| busy {1e3 * self.busy(s):8.1f} ms")
-        rows.append(f"bubble: measured {self.measured_bubble:.3f}, GPipe's (K-1)/(M+K-1) = {self.predicted_bubble:.3f};"
+            for e in self.device_events(d):
+                a = min(int((e.start - t0) / span * width), width - 1)
+                b = min(max(a + 1, int((e.end - t0) / span * width)), width)
+                cells[a:b] = [_MARK[e.kind]] + [str(e.micro_batch % 10)] * (b - a - 1)
+            rows.append(f"device {d:<2} |{''.join(cells)}| busy {1e3 * self.busy(d):8.1f} ms")
+        for d in range(s.n_devices):
+            ran = self.ran(d)
+            rows.append(f"device {d:<2} ran: {' '.join(ran[:48])}{' ...' if len(ran) > 48 else ''}")
+        rows.append(f"bubble: measured {self.measured_bubble:.3f}, the schedule's {self.predicted_bubble:.3f};"
                     f" busy max/mean {self.measured_imbalance:.3f}")
         return "\n".join(rows)
 
@@ -110,11 +124,13 @@ class Timeline:
         t0 = self.start
         events = [{
             "name": f"{e.kind} {e.micro_batch}", "cat": e.kind, "ph": "X",
-            "ts": (e.start - t0) * 1e6, "dur": e.seconds * 1e6, "pid": 0, "tid": e.stage,
+            "ts": (e.start - t0) * 1e6, "dur": e.seconds * 1e6, "pid": self.schedule.device_of(e.stage), "tid": e.stage,
             "args": {"stage": e.stage, "micro_batch": e.micro_batch},
         } for e in self.events]
-        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
-                 for s in range(self.n_stages)]
+        names = [{"name": "thread_name", "ph": "M", "pid": self.schedule.device_of(s), "tid": s,
+                  "args": {"name": f"stage {s}"}} for s in range(self.schedule.n_stages)]
+        names += [{"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}}
+                  for d in range(self.schedule.n_devices)]
         return {"traceEvents": names + events, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path: str | os.PathLike[str]) -> str:

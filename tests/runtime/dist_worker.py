@@ -27,14 +27,16 @@ class SkipGPT(GPT):
     made on the first stage, read by the last) and an early model output (a statistic of the token
     embeddings, made on the first stage and read by no later stage)."""
 
+    skip_to = None  # also add the embeddings before this block (a skip to a middle stage)
+
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
         emb = self.wte(idx)
         early = emb.pow(2).mean(-1)  # computed here, so it is in the first stage (stages are contiguous in this order)
         x0 = self.drop(emb + self.wpe(pos))
         x = x0
-        for block in self.blocks:
-            x = block(x)
+        for k, block in enumerate(self.blocks):
+            x = block(x + x0 if k == self.skip_to else x)
         return self.lm_head(self.ln_f(x + x0)), early
 
 
@@ -178,6 +180,7 @@ def main():
             ids, target = ids.chunk(data_parallel)[replica], target.chunk(data_parallel)[replica]
         pipe = autopipe.compile(model, chunks=4, checkpoint=os.environ.get("CHECKPOINT", "except_last"),
                                 schedule=os.environ.get("SCHEDULE", "gpipe"),
+                                virtual_stages=int(os.environ.get("VIRTUAL_STAGES", "1")),
                                 data_parallel=data_parallel, timeout=30)
         losses = []
         for step in range(2):
@@ -190,11 +193,14 @@ def main():
         torch.save({"grads": grads, "losses": losses, "stage": pipe.stage_index, "plan": str(pipe.plan),
                     "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "skip":
-        model = SkipGPT(vocab=64, d=32, heads=4, layers=world, block=16, dropout=0.1).train()
+        v = int(os.environ.get("VIRTUAL_STAGES", "1"))
+        model = SkipGPT(vocab=64, d=32, heads=4, layers=world * v, block=16, dropout=0.1).train()
+        model.skip_to = world + 1 if v > 1 else None
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 64, (16, 16), generator=g)
         target = torch.randint(0, 64, (16, 16), generator=g)
-        pipe = autopipe.compile(model, chunks=4, timeout=30)
+        pipe = autopipe.compile(model, chunks=4, timeout=30, schedule="interleaved" if v > 1 else "gpipe",
+                                virtual_stages=v)
         torch.manual_seed(100)
         loss = pipe.step(ids, target=target, loss_fn=skip_loss)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}

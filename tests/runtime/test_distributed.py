@@ -96,16 +96,17 @@ def lm_loss(logits, target):
 
 
 @pytest.mark.parametrize("world,checkpoint,schedule", [(2, "except_last", "gpipe"), (4, "always", "gpipe"),
-                                                      (4, "except_last", "1f1b")])
+                                                      (4, "except_last", "1f1b"), (2, "always", "interleaved")])
 def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, checkpoint, schedule):
-    run = launch("gpt", world, tmp_path, CHECKPOINT=checkpoint, SCHEDULE=schedule)
+    v = 2 if schedule == "interleaved" else 1  # interleaved: each rank holds 2 of the 4 stages
+    run = launch("gpt", world, tmp_path, CHECKPOINT=checkpoint, SCHEDULE=schedule, VIRTUAL_STAGES=v)
     assert run.codes == [0] * world, run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ids, target = gpt_batch()
     # In-process pipeline, same seeds: dropout masks are drawn per (stage, micro-batch) from the same seeds.
     torch.manual_seed(0)
     model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
-    pipe = autopipe.compile(model, devices=world, chunks=4, checkpoint=checkpoint, schedule=schedule)
+    pipe = autopipe.compile(model, devices=world, chunks=4, checkpoint=checkpoint, schedule=schedule, virtual_stages=v)
     torch.manual_seed(100)
     loss = pipe.step(ids, target=target, loss_fn=lm_loss)
     assert results[-1]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
