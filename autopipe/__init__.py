@@ -1,9 +1,4 @@
-"""autopipe: compile an unmodified PyTorch model into a pipeline.
-
-    pipe = autopipe.compile(model, devices=4, chunks=8)
-    loss_fn(pipe(x), y).backward()      # gradients land on the model's own parameters
-    print(pipe.plan); print(pipe.stages[1].code)
-"""
+"""autopipe: compile an unmodified PyTorch model into a pipeline (README.md; design: docs/architecture.md)."""
 from autopipe.compile import Options, compile, plan, run_passes
 from autopipe.errors import (BatchMismatch, BatchSpecialised, InputMismatch, NoFeasiblePlan, PipelineError,
                              StageFailure, TraceError, UnroutedRandomOp)

@@ -1,7 +1,7 @@
 """compile() and plan(): one chain of passes (trace -> cost -> partition -> codegen), then a runtime.
 
-``run_passes`` is the only place the passes are chained; compile, plan, the
-command line and the torchrun runtime all call it with one :class:`Options`.
+``run_passes`` is the only place the passes are chained; compile, plan, the command line and the torchrun
+runtime all call it with one :class:`Options`.
 """
 from __future__ import annotations
 
@@ -22,15 +22,19 @@ from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Compiled, Pipeline, Program
-from autopipe.runtime.schedule import NAMES as SCHEDULES
+from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
 from autopipe.runtime.task import CHECKPOINT_MODES
 
 BALANCE_MODES = ("flops", "params", "time")
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True)
 class Options:
-    """What every entry point fills once and every pass reads."""
+    """What every entry point fills once and every pass reads; checked when made."""
 
     devices: tuple[torch.device, ...]          # one per stage: K devices x v virtual stages, round robin
     chunks: int = 8
@@ -45,29 +49,26 @@ class Options:
     checkpoint: str = "except_last"
     optimizer: str | None = "adam"         # for the plan's memory prediction: "sgd", "momentum", "adam", None
 
+    def __post_init__(self) -> None:
+        if not _positive_int(self.chunks):
+            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {self.chunks!r}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, "
+                             f"got {self.balance!r}")
+        if not _positive_int(self.virtual_stages):
+            raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
+        Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
+        object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+
     @classmethod
-    def make(cls, devices: Sequence[torch.device], *, chunks: int, balance: Any = "flops", checkpoint: str = "except_last",
-             leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
-             route: str = "auto", verbose: bool = False, schedule: str = "gpipe", virtual_stages: int = 1,
-             optimizer: str | None = "adam") -> "Options":
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if isinstance(balance, str) and balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {balance!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
-        if (schedule == "interleaved") != (virtual_stages > 1):
-            raise ValueError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: 'interleaved' needs "
-                             f"virtual_stages >= 2, 'gpipe' and '1f1b' run one stage per device")
-        stage_devices = tuple(devices[s % len(devices)] for s in range(len(devices) * virtual_stages))
-        return cls(devices=stage_devices, chunks=chunks, balance=balance if isinstance(balance, str) else tuple(balance),
-                   leaf_modules=tuple(leaf_modules), tolerance=tolerance, memory_cap=memory_cap, route=route,
-                   verbose=verbose, schedule=schedule, virtual_stages=virtual_stages, checkpoint=checkpoint,
-                   optimizer=optimizer)
+    def make(cls, devices: Sequence[torch.device], **options: Any) -> "Options":
+        """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K]."""
+        checked = cls(tuple(devices), **options)
+        n_stages = len(devices) * checked.virtual_stages
+        return replace(checked, devices=tuple(devices[s % len(devices)] for s in range(n_stages)))
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
@@ -80,12 +81,10 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
     if isinstance(devices, int):
         if devices < 1:
             raise ValueError(f"devices must be at least 1, got {devices}")
-        if cuda_count:
-            if devices > cuda_count:
-                raise ValueError(f"devices={devices} asks for {devices} CUDA devices but this host has {cuda_count}; "
-                                 f"pass devices={cuda_count} or a list such as ['cpu'] * {devices}")
-            return [torch.device("cuda", i) for i in range(devices)]
-        return [torch.device("cpu")] * devices
+        if devices > cuda_count > 0:
+            raise ValueError(f"devices={devices} asks for {devices} CUDA devices but this host has {cuda_count}; "
+                             f"pass devices={cuda_count} or a list such as ['cpu'] * {devices}")
+        return [torch.device("cuda", i) for i in range(devices)] if cuda_count else [torch.device("cpu")] * devices
     if len(devices) == 0:
         raise ValueError("devices is an empty list: name at least one device, e.g. devices=['cpu', 'cpu']")
     resolved = []
@@ -102,7 +101,7 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
             if device.index >= cuda_count:
                 raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) "
                                  f"(cuda:0..cuda:{cuda_count - 1})")
-        elif device.type not in ("cpu",):
+        elif device.type != "cpu":
             raise ValueError(f"devices: {d!r}: autopipe runs stages on 'cpu' or 'cuda' devices")
         resolved.append(device)
     return resolved
@@ -110,9 +109,7 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
 
 def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
     """For planning only: an int names that many stages without checking they exist."""
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise ValueError(f"devices must be at least 1, got {devices}")
+    if _positive_int(devices):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]
     return resolve_devices(devices)
@@ -121,28 +118,44 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
                progress: Progress | None = None) -> Compiled:
-    """trace -> cost -> partition (-> codegen with ``generate``), each pass reported on ``progress``.
-
-    ``before_codegen(plan)`` runs between partition and codegen: compile places parameters on
-    their stages' devices there, the torchrun runtime materialises its own stage's meta weights.
-
-    Leaves the caller's global state (grad mode, RNG, autocast, defaults) as it was, also when a
-    pass raises. A model that specialises on the batch size is traced once per micro-batch size."""
+    """trace -> cost -> partition (-> codegen with ``generate``), leaving the caller's global state (grad mode,
+    RNG, autocast, defaults) as it was. ``before_codegen(plan)``: compile places parameters on their stages' devices
+    there, the torchrun runtime materialises its meta weights. A model that specialises on the batch size is
+    traced once per micro-batch size."""
     progress = progress or Progress(options.verbose)
+
+    def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
+        traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
+        notes = list(traced.notes)
+        if specialised is not None:
+            notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
+        with progress.run("partition") as report:
+            plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks,
+                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
+                             notes=notes, pass_seconds=progress.seconds)
+            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
+                                         options.virtual_stages, options.optimizer)
+            report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
+        if not generate:
+            return Program(traced=traced, plan=plan, stages=[])
+        if before_codegen is not None:
+            before_codegen(plan)
+        with progress.run("codegen") as report:
+            stages = codegen(traced.graph_module, plan)
+            report["detail"] = f"{len(stages)} stage modules"
+        return Program(traced=traced, plan=plan, stages=stages)
+
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
     with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
         progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as "
                      f"{len(options.devices)} stages x {options.chunks} micro-batches")
         try:
-            program = _program(model, args, kwargs, options, None, generate, before_codegen, progress)
-            programs = {None: program}
+            programs = {None: program()}
         except BatchSpecialised as e:
-            batch = e.batch_size
-            sizes = sorted(set(micro_batch_sizes(batch, options.chunks)), reverse=True)
+            sizes = sorted(set(micro_batch_sizes(e.batch_size, options.chunks)), reverse=True)
             progress.say(f"the model specialises on the batch size: tracing at micro-batch size(s) {sizes}")
-            programs = {size: _program(model, args, kwargs, options, size, generate, before_codegen, progress, e)
-                        for size in sizes}
+            programs = {size: program(size, e) for size in sizes}
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
@@ -164,38 +177,16 @@ def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | N
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
-        report["detail"] = f"balance={options.balance!r}" if isinstance(options.balance, str) else "balance=given weights"
+        given = isinstance(options.balance, tuple)
+        report["detail"] = "balance=given weights" if given else f"balance={options.balance!r}"
     return traced, costed
 
 
-def _program(model, args, kwargs, options: Options, static_batch: int | None, generate: bool, before_codegen,
-             progress: Progress, specialised: BatchSpecialised | None = None) -> Program:
-    traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
-    with progress.run("partition") as report:
-        plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks,
-                         balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
-                         notes=list(traced.notes) + ([f"traced at micro-batch size {static_batch}: "
-                                                      f"{str(specialised).splitlines()[0]}"]
-                                                     if specialised is not None else []),
-                         pass_seconds=progress.seconds)
-        plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
-                                     options.virtual_stages, options.optimizer)
-        report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
-    stages = []
-    if generate:
-        if before_codegen is not None:
-            before_codegen(plan)
-        with progress.run("codegen") as report:
-            stages = codegen(traced.graph_module, plan)
-            report["detail"] = f"{len(stages)} stage modules"
-    return Program(traced=traced, plan=plan, stages=stages)
-
-
-def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.device], choices: dict[str, Any]) -> Plan:
+def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.device], auto: list[str]) -> Plan:
     """``chunks``/``schedule``/``checkpoint="auto"``: trace and cost once, partition once per stage
     count, and keep the fastest predicted configuration whose memory fits ``memory_cap``."""
     if options.memory_cap is None:
-        raise ValueError(f"{', '.join(f'{k}=auto' for k in choices)} picks the fastest configuration that fits "
+        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits "
                          f"the memory: give memory_cap (bytes per device)")
     progress = Progress(options.verbose)
     with preserved_global_state(), torch.inference_mode(False):
@@ -209,9 +200,9 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
         with progress.run("choose") as report:
             choice = choose_configuration(
                 plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap,
-                schedules=SCHEDULES if choices.get("schedule") else (options.schedule,),
-                checkpoint_modes=CHECKPOINT_MODES if choices.get("checkpoint") else (options.checkpoint,),
-                chunks=None if choices.get("chunks") else options.chunks, optimizer=options.optimizer)
+                schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
+                checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,),
+                chunks=None if "chunks" in auto else options.chunks, optimizer=options.optimizer)
             report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} "
                                 f"of {len(choice.candidates)} configurations")
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
@@ -219,24 +210,11 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
     return result
 
 
-def plan(
-    model: torch.nn.Module,
-    example_inputs: Any = None,
-    *,
-    example_kwargs: dict[str, Any] | None = None,
-    devices: int | Sequence[str | torch.device] | None = None,
-    chunks: int | str = 8,
-    balance: str | Sequence[float] = "flops",
-    leaf_modules: Iterable[type | str] = (),
-    tolerance: float = 0.03,
-    memory_cap: float | None = None,
-    route: str = "auto",
-    schedule: str = "gpipe",
-    virtual_stages: int = 1,
-    checkpoint: str = "except_last",
-    optimizer: str | None = "adam",
-    verbose: bool = False,
-) -> Plan:
+def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict[str, Any] | None = None,
+         devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8,
+         balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
+         memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
+         checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist.
@@ -244,79 +222,56 @@ def plan(
     ``optimizer``'s state. ``chunks``, ``schedule``, ``checkpoint`` may be ``"auto"`` (with
     ``memory_cap``): the fastest predicted configuration that fits, the alternatives in ``plan.choice``.
     ``verbose=True`` reports each pass on stderr (they always go to the ``autopipe`` logger)."""
-    choices = {k: v == "auto" for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint))}
+    auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
-    options = Options.make(stage_devices, chunks=1 if choices["chunks"] else chunks, balance=balance,
-                           leaf_modules=leaf_modules, tolerance=tolerance,
-                           memory_cap=None if any(choices.values()) else memory_cap, route=route, verbose=verbose,
-                           schedule="gpipe" if choices["schedule"] else schedule,
-                           virtual_stages=1 if choices["schedule"] else virtual_stages,
-                           checkpoint="except_last" if choices["checkpoint"] else checkpoint, optimizer=optimizer)
+    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance,
+                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
+                           verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
+                           virtual_stages=1 if "schedule" in auto else virtual_stages,
+                           checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer)
     args, kwargs = _as_tuple(example_inputs), example_kwargs or {}
-    if any(choices.values()):
-        return _choose(model, args, kwargs, replace(options, memory_cap=memory_cap), stage_devices,
-                       {k: v for k, v in choices.items() if v})
+    if auto:
+        return _choose(model, args, kwargs, options, stage_devices, auto)
     return run_passes(model, args, kwargs, options, generate=False).plan
 
 
-def compile(
-    model: torch.nn.Module,
-    devices: int | Sequence[str | torch.device] | None = None,
-    chunks: int = 8,
-    *,
-    example_inputs: Any = None,
-    example_kwargs: dict[str, Any] | None = None,
-    checkpoint: str = "except_last",
-    schedule: str = "gpipe",
-    virtual_stages: int = 1,
-    balance: str | Sequence[float] = "flops",
-    leaf_modules: Iterable[type | str] = (),
-    tolerance: float = 0.03,
-    memory_cap: float | None = None,
-    intra_op_threads: int | None = None,
-    deferred_batch_norm: bool = False,
-    track_memory: bool = False,
-    data_parallel: int = 1,
-    timeout: float = 300.0,
-    route: str = "auto",
-    verbose: bool = False,
-) -> Pipeline | DistributedPipeline:
-    """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches.
+def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] | None = None, chunks: int = 8, *,
+            example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None, checkpoint: str = "except_last",
+            schedule: str = "gpipe", virtual_stages: int = 1, balance: str | Sequence[float] = "flops",
+            leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
+            intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
+            data_parallel: int = 1, timeout: float = 300.0, route: str = "auto",
+            verbose: bool = False) -> Pipeline | DistributedPipeline:
+    """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
-    Without example inputs the pipeline compiles on its first call, from that call's inputs.
-    The model is not copied: stages hold its own parameters, and gradients land on them.
-    ``schedule``: "gpipe" (default), "1f1b" or "interleaved" (with ``virtual_stages`` >= 2 stages
-    per device); the last two need ``pipe.step(x, target=y, loss_fn=f)`` to train.
-    ``deferred_batch_norm=True`` tracks BatchNorm running statistics over the whole mini-batch
-    (torchgpipe's DeferredBatchNorm), so they equal the plain model's. ``track_memory=True``
-    counts the bytes each stage keeps between forward and backward (``pipe.memory``).
-
-    Under torchrun with ``devices=None``: one stage per rank over torch.distributed
-    (``data_parallel`` replicas of the pipeline; ``timeout`` seconds bound any wait on a peer).
-    """
+    The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs
+    the pipeline compiles on its first call. "1f1b" and "interleaved" schedules train with ``pipe.step(x,
+    target=y, loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running statistics over the whole mini-batch.
+    Under torchrun with ``devices=None``: one stage per rank over torch.distributed (``data_parallel`` replicas
+    of the pipeline; ``timeout`` seconds bound any wait on a peer)."""
+    chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
+                  tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
+    example = None
+    if example_inputs is not None or example_kwargs:
+        example = (_as_tuple(example_inputs), example_kwargs or {})
     if devices is None and running_under_torchrun():
-        # every rank plans all K stages; Options.make checks the options before any process group exists
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        n = max(1, world // max(1, data_parallel))
-        options = Options.make([torch.device("cpu")] * n, chunks=chunks, balance=balance, checkpoint=checkpoint,
-                               leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
-                               verbose=verbose and int(os.environ.get("RANK", "0")) == 0, schedule=schedule,
-                               virtual_stages=virtual_stages)
-        pipe = DistributedPipeline(model, options, checkpoint, run_passes, data_parallel=data_parallel, timeout=timeout,
-                                   deferred_batch_norm=deferred_batch_norm, schedule=schedule,
-                                   virtual_stages=virtual_stages)
-        if example_inputs is not None or example_kwargs:
-            pipe.build(_as_tuple(example_inputs), example_kwargs or {})
+        # every rank plans all K stages; the options are checked before any process group exists
+        n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
+        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0",
+                               **chosen)
+        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout,
+                                   deferred_batch_norm=deferred_batch_norm)
+        if example is not None:
+            pipe.build(*example)
         return pipe
     if data_parallel != 1:
         raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
     device_list = resolve_devices(devices)
-    options = Options.make(device_list, chunks=chunks, balance=balance, checkpoint=checkpoint,
-                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
-                           verbose=verbose, schedule=schedule, virtual_stages=virtual_stages)
+    options = Options.make(device_list, verbose=verbose, **chosen)
     if any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights "
-                         f"(use autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
+        raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real "
+                         f"weights (use autopipe.plan to plan a meta model, or materialise it with to_empty() and "
+                         f"load a state dict)")
 
     def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
         return run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
@@ -324,8 +279,8 @@ def compile(
     pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
                     deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
                     track_memory=track_memory)
-    if example_inputs is not None or example_kwargs:
-        pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
+    if example is not None:
+        pipe.compile_for(*example)
     return pipe
 
 
@@ -336,8 +291,8 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 
 def _place(model: torch.nn.Module, result: Plan) -> None:
-    """Move each parameter and buffer to the device of the first stage that holds it.
-    Parameter objects stay the same (``.data`` is replaced), so optimizers keep working."""
+    """Move each parameter and buffer to the device of the first stage that holds it. Parameter objects stay
+    the same (``.data`` is replaced), so optimizers keep working."""
     if all(s.device.type == "cpu" for s in result.stages):
         return
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -345,13 +300,10 @@ def _place(model: torch.nn.Module, result: Plan) -> None:
     placed: set[str] = set()
     for stage in result.stages:
         for name in stage.params:
-            if name in placed:
-                continue
-            placed.add(name)
-            tensor = tensors[name]
-            if tensor.device != stage.device:
+            if name not in placed and tensors[name].device != stage.device:
                 with torch.no_grad():
-                    tensor.data = tensor.data.to(stage.device)
+                    tensors[name].data = tensors[name].data.to(stage.device)
+            placed.add(name)
 
 
 __all__ = ["Options", "compile", "plan", "run_passes", "resolve_devices", "plan_devices"]

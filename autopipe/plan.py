@@ -1,15 +1,11 @@
-"""Plan: where the cuts are, what crosses them, and what GPipe predicts for it.
-
-The plan is the partition pass's typed result and the thing a user reads
-first (``print(pipe.plan)``). The bubble is GPipe's (K-1)/(M+K-1) (Huang et
-al., 2019, sec. 2.3), kept as a sympy expression so it prints as a formula.
-"""
+"""Plan: the partition pass's typed result and what a user reads first (``print(pipe.plan)``): where the cuts
+are, what crosses them, and GPipe's bubble (K-1)/(M+K-1) (Huang et al. 2019, sec. 2.3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
-import sympy
 import torch
 from tabulate import tabulate
 
@@ -83,79 +79,51 @@ class Plan:
         return self.bottleneck / mean if mean else 1.0
 
     @property
-    def bubble(self) -> sympy.Expr:
-        K, M = sympy.symbols("K M", positive=True, integer=True)
-        return (K - 1) / (M + K - 1)
-
-    @property
-    def bubble_fraction(self) -> float:
-        K, M = sympy.symbols("K M", positive=True, integer=True)
-        return float(self.bubble.subs({K: self.n_stages, M: self.chunks}))
+    def bubble(self) -> Fraction:
+        return Fraction(self.n_stages - 1, self.chunks + self.n_stages - 1)
 
     @property
     def predicted_speedup(self) -> float:
         """Over one device: total work / (slowest stage x (M+K-1)/M clock cycles)."""
         if not self.bottleneck:
             return 1.0
-        cycles = (self.chunks + self.n_stages - 1) / self.chunks
-        return self.total_cost / (self.bottleneck * cycles)
-
-    @property
-    def predicted_efficiency(self) -> float:
-        return self.predicted_speedup / self.n_stages
+        return self.total_cost / (self.bottleneck * (self.chunks + self.n_stages - 1) / self.chunks)
 
     def cut_tensors(self, cut: int) -> list[TensorInfo]:
         """Tensors live across the cut between stage ``cut`` and ``cut + 1``."""
-        return [t for t in self.tensors.values() if t.producer >= 0 and t.producer <= cut < max(t.consumers, default=-1)]
+        return [t for t in self.tensors.values() if 0 <= t.producer <= cut < max(t.consumers, default=-1)]
 
     def __str__(self) -> str:
+        def moved(infos: list[TensorInfo]) -> str:
+            return f"{len(infos)} / {human_bytes(sum(t.nbytes for t in infos))}"
+
         total = self.total_cost or 1.0
-        rows = []
-        for s in self.stages:
-            received = [self.tensors[n] for n in s.inputs if n in self.tensors and self.tensors[n].producer >= 0]
-            sent = [self.tensors[n] for n in s.outputs if n in self.tensors]
-            rows.append([
-                s.index,
-                str(s.device),
-                len(s.nodes),
-                _human(s.param_bytes, "B"),
-                f"{100 * s.cost / total:.1f}%",
-                f"{len(received)} / {_human(sum(t.nbytes for t in received), 'B')}",
-                f"{len(sent)} / {_human(sum(t.nbytes for t in sent), 'B')}",
-                _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-"),
-            ])
-        table = tabulate(
-            rows,
-            headers=["stage", "device", "nodes", "params", f"{self.balance} share", "in (n / bytes)", "out (n / bytes)", "receives"],
-            tablefmt="simple",
-        )
-        cuts = []
+        rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%",
+                 moved([self.tensors[n] for n in s.inputs if n in self.tensors and self.tensors[n].producer >= 0]),
+                 moved([self.tensors[n] for n in s.outputs if n in self.tensors]),
+                 _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-")] for s in self.stages]
+        table = tabulate(rows, headers=["stage", "device", "nodes", "params", f"{self.balance} share",
+                                        "in (n / bytes)", "out (n / bytes)", "receives"], tablefmt="simple")
+        lines = [f"Plan: {self.n_stages} stages x {self.chunks} micro-batches, balanced by {self.balance}, "
+                 f"traced by {self.route}", table, "Cuts (tensors crossing, at the whole mini-batch):"]
         for c in range(self.n_stages - 1):
             crossing = self.cut_tensors(c)
             names = ", ".join(f"{t.name}{list(t.shape)}" for t in crossing) or "nothing"
-            cuts.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), {_human(sum(t.nbytes for t in crossing), 'B')}: {_shorten(names, 100)}")
-        K, M = sympy.symbols("K M", positive=True, integer=True)
-        lines = [
-            f"Plan: {self.n_stages} stages x {self.chunks} micro-batches, balanced by {self.balance}, traced by {self.route}",
-            table,
-            "Cuts (tensors crossing, at the whole mini-batch):",
-            *cuts,
-            f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {self.bottleneck / self.lower_bound if self.lower_bound else 1.0:.3f}"
-            f"   (lower bound = max(total/K, largest node))",
-            f"bubble {sympy.sstr(self.bubble)} = {sympy.sstr(self.bubble.subs({K: self.n_stages, M: self.chunks}))}"
-            f" = {self.bubble_fraction:.3f}   predicted speedup {self.predicted_speedup:.2f}x on {self.n_stages} devices"
-            f" (efficiency {100 * self.predicted_efficiency:.0f}%)",
-        ]
+            lines.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), "
+                         f"{human_bytes(sum(t.nbytes for t in crossing))}: {_shorten(names, 100)}")
+        bound = self.bottleneck / self.lower_bound if self.lower_bound else 1.0
+        lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}"
+                  f"   (lower bound = max(total/K, largest node))",
+                  f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup "
+                  f"{self.predicted_speedup:.2f}x on {self.n_stages} devices "
+                  f"(efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
         if self.shared_params:
             lines.append("shared parameters (one tensor, gradients summed): " + ", ".join(
                 f"{n} in stages {list(s)}" for n, s in self.shared_params.items()))
         if self.pass_seconds:
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
                          + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
-        if self.memory is not None:
-            lines.append(str(self.memory))
-        if self.choice is not None:
-            lines.append(str(self.choice))
+        lines += [str(x) for x in (self.memory, self.choice) if x is not None]
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -163,15 +131,10 @@ class Plan:
 
 
 def human_bytes(n: float) -> str:
-    return _human(n, "B")
-
-
-def _human(n: float, unit: str) -> str:
     for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
         if abs(n) < 1024 or prefix == "Ti":
-            return f"{n:.0f} {unit}" if prefix == "" else f"{n:.1f} {prefix}{unit}"
+            return f"{n:.1f} {prefix}B" if prefix else f"{n:.0f} B"
         n /= 1024
-    return f"{n} {unit}"
 
 
 def _shorten(text: str, width: int = 48) -> str:

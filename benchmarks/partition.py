@@ -58,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import autopipe  # noqa: E402
 from autopipe.passes.cost import CostedGraph, cost  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
-from autopipe.plan import Plan, _human  # noqa: E402
+from autopipe.plan import Plan, human_bytes  # noqa: E402
 from benchmarks import _baselines  # noqa: E402
 
 try:  # the graph adapter; it moves into passes/partition.py
@@ -532,7 +532,7 @@ def table_rows(rows: Sequence[Row]) -> list[list]:
         out.append([
             r.model, r.k, r.method, f"{r.imbalance:.3f}", f"{r.over_bound:.3f}",
             f"{sum(cuts)} ({'/'.join(map(str, cuts))})" if len(cuts) <= 7 else str(sum(cuts)),
-            _human(r.cut_bytes, "B"), f"{r.step:.3f}", f"{r.split_s:.2g}",
+            human_bytes(r.cut_bytes), f"{r.step:.3f}", f"{r.split_s:.2g}",
             "-" if r.plan_call_s is None else f"{r.plan_call_s:.2f}",
         ])
     return out

@@ -1,4 +1,1 @@
-"""autopipe's runtime: the GPipe schedule and the transports that run stages under it."""
-from .schedule import Schedule, Task
-
-__all__ = ["Schedule", "Task"]
+"""autopipe's runtime: schedules, the stage tasks, and the transports that run them."""

@@ -1,12 +1,7 @@
-"""The executor: runs a list of schedule tasks over a transport. One loop for every transport.
+"""The executor: runs one device's schedule tasks over a transport; one loop for every transport.
 
-A transport moves tensors between stages and nothing else: the in-process
-mailbox (runtime/threads.py) hands them between worker threads, the
-point-to-point transport (runtime/p2p.py) sends them between ranks. The
-executor asks it for a task's inputs, runs the task with the stage's
-:class:`~autopipe.runtime.task.StageRunner`, and hands it the results; which
-tasks and in which order comes from the Schedule (runtime/schedule.py), so a
-new schedule needs no new runtime.
+A transport only moves values (runtime/threads.py in-process, runtime/p2p.py between ranks); the order
+of the work comes from the Schedule, so a new schedule needs no new runtime.
 """
 from __future__ import annotations
 

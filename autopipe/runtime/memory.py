@@ -1,12 +1,7 @@
-"""Memory: what each stage keeps between forward and backward, and its peak.
+"""The memory report: bytes each stage keeps between forward and backward, and its peak.
 
-On CPU there is no allocator to ask, so the bytes autograd saves for backward
-are counted with torch.autograd.graph.saved_tensors_hooks (thread-local, so
-each worker counts only its own stage); parameters are not counted, they are
-resident anyway. With re-materialisation a stage keeps only its boundary
-inputs; during the recompute of one micro-batch it briefly holds that
-micro-batch's activations too (GPipe, sec. 2.3). On CUDA the peak is
-torch.cuda.max_memory_allocated of the stage's device.
+On CPU there is no allocator to ask: saved_tensors_hooks (thread-local, so each worker counts its own
+stage) count what autograd saves, parameters excluded. On CUDA the peak is torch.cuda.max_memory_allocated.
 """
 from __future__ import annotations
 
@@ -16,11 +11,13 @@ from dataclasses import dataclass, field
 import torch
 from tabulate import tabulate
 
+from autopipe.plan import human_bytes
+
 
 @dataclass
 class StageMemory:
     kept: int = 0            # bytes held from the end of forward to backward, all micro-batches
-    recompute_peak: int = 0  # largest activations of one re-materialised micro-batch
+    recompute_peak: int = 0  # largest activations of one re-materialised micro-batch (GPipe sec. 2.3)
     cuda_peak: int | None = None
 
     @property
@@ -51,8 +48,8 @@ class MemoryReport:
         if not self.tracked:
             return ("Memory: not measured. Compile with track_memory=True to count the bytes each stage keeps "
                     "between forward and backward (it hooks every tensor autograd saves).")
-        rows = [[j, _mib(s.kept), _mib(s.recompute_peak), _mib(s.peak), "-" if s.cuda_peak is None else _mib(s.cuda_peak)]
-                for j, s in enumerate(self.stages)]
+        rows = [[j, human_bytes(s.kept), human_bytes(s.recompute_peak), human_bytes(s.peak),
+                 "-" if s.cuda_peak is None else human_bytes(s.cuda_peak)] for j, s in enumerate(self.stages)]
         return (f"Memory of the last step (checkpoint={self.checkpoint!r}; saved activations, parameters excluded):\n"
                 + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"],
                            tablefmt="simple"))
@@ -60,35 +57,27 @@ class MemoryReport:
     __repr__ = __str__
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-class SavedBytes:
-    """Counts the distinct storages autograd saves inside the ``with`` block."""
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages autograd saves inside the ``with`` block, except ``exclude`` (the
+    storage pointers of the stage's parameters: weights, and views of them like weight.t(), are resident)."""
 
     def __init__(self, exclude: set[int]):
-        self.exclude = exclude  # storage pointers of the stage's parameters
+        super().__init__(self._pack, lambda t: t)
+        self.exclude = exclude
         self.storages: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.exclude:  # weights (and views of them, weight.t()) are resident anyway
-                self.storages[storage.data_ptr()] = storage.nbytes()
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in self.exclude:
+            self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     @property
     def total(self) -> int:
         return sum(self.storages.values())
 
-    def __enter__(self):
-        self._hooks.__enter__()
+    def __enter__(self) -> "SavedBytes":
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
 
 
 def tensor_bytes(tensors) -> int:

@@ -1,20 +1,8 @@
 """The in-process pipeline: ``pipe(x)`` / ``loss.backward()`` or ``pipe.step(...)``, stages on worker threads.
 
-Forward: each device's worker runs its forward tasks in schedule order
-(runtime/executor.py); every stage input is a detached leaf, so each
-(stage, micro-batch) has its own small autograd graph.
-
-Backward: the merged outputs come out of one autograd Function whose inputs
-are the call's tensors and the model's parameters. PyTorch's engine runs all
-CPU backward work on the thread that called backward(), so one autograd graph
-across stages (torchgpipe's fork/join) would serialise the backward on CPU.
-Instead the Function's backward hands each (stage, micro-batch) backward to
-its stage's worker in schedule order, and returns the parameters' gradients
-summed in a fixed order: the caller's ``backward()``, ``backward(inputs=...)``
-and ``torch.autograd.grad(loss, params)`` then work as on the plain model.
-
-``pipe.step(x, target=y, loss_fn=f)`` runs the loss per micro-batch on the last
-stage, so schedules that interleave forward and backward (1F1B) can run.
+The merged outputs come out of one autograd Function whose inputs are the call's tensors and the model's
+parameters; its backward runs each stage's backward tasks on their workers and returns the parameters'
+gradients summed in a fixed order (docs/architecture.md, "Runtime": why not one graph across stages).
 """
 from __future__ import annotations
 
@@ -135,9 +123,9 @@ class _Run:
         self.training = training
         self.schedule = pipe.schedule_for(self.chunks)
         self.state = StepState.start(
-            training=training, random=pipe.model.training and compiled.uses_rng,
-            checkpoint=pipe.checkpoint, schedule=self.schedule, deferred_model=pipe.model if pipe.deferred_batch_norm else None,
-            track_memory=pipe.track_memory)
+            training=training, random=pipe.model.training and compiled.uses_rng, checkpoint=pipe.checkpoint,
+            schedule=self.schedule if training else pipe.schedule_for(self.chunks, forward_only=True),
+            deferred_model=pipe.model if pipe.deferred_batch_norm else None, track_memory=pipe.track_memory)
         self.input_grad = [training and t.requires_grad for t in flat]
         rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
@@ -257,7 +245,7 @@ class Pipeline(torch.nn.Module):
         self._build = build
         self._compiled: dict[Any, Compiled] = {}
         self._current: Compiled | None = None
-        self._schedules: dict[int, Schedule] = {}
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._orders: dict[tuple, list[list[Task]]] = {}
         self.timeline = Timeline(self.schedule)  # of the last step; printable
         self.memory = MemoryReport.empty(len(devices) * virtual_stages, checkpoint)  # of the last step, with track_memory=True
@@ -318,10 +306,12 @@ class Pipeline(torch.nn.Module):
     def schedule(self) -> Schedule:
         return self.schedule_for(self.chunks)
 
-    def schedule_for(self, chunks: int) -> Schedule:
-        if chunks not in self._schedules:
-            self._schedules[chunks] = Schedule.build(self.schedule_name, len(self.devices), chunks, self.virtual_stages)
-        return self._schedules[chunks]
+    def schedule_for(self, chunks: int, forward_only: bool = False) -> Schedule:
+        key = (chunks, forward_only)
+        if key not in self._schedules:
+            full = Schedule.build(self.schedule_name, len(self.devices), chunks, self.virtual_stages)
+            self._schedules[key] = full.forward_only() if forward_only else full
+        return self._schedules[key]
 
     def orders(self, schedule: Schedule, kinds: str, inline: bool = False) -> list[list[Task]]:
         """Each device's tasks of the given kinds in schedule order (or all of them in cycle order, inline);
@@ -375,7 +365,7 @@ class Pipeline(torch.nn.Module):
     def _key(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         shapes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
-        return (self.model.training, str(spec), shapes)
+        return (self.model.training, spec, shapes)
 
     def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:
         compiled = self.compile_for(args, kwargs)

@@ -1,23 +1,8 @@
-"""Schedule: which (stage, micro-batch, forward/backward) task runs at each clock cycle.
+"""Schedules as tables of clock cycles of (stage, micro-batch, F|B) tasks; see docs/architecture.md, "Runtime".
 
-A Schedule is plain data, a table of clock cycles, so one executor runs them
-all: each device's worker runs `device_order(d)` strictly in order, a task
-waiting only for its inputs. A new schedule is a new table, not a new runtime.
-Stage s lives on device s % K (round robin), as in Megatron-LM's interleaving.
-
-* GPipe (Huang et al., 2019, fig. 2c): all forwards on a diagonal, then all
-  backwards in reverse. Every micro-batch's activations are held at once.
-* 1F1B / PipeDream-flush (Narayanan et al., 2021, "Memory-efficient
-  pipeline-parallel DNN training"): after a warm-up of K-d-1 forwards device d
-  alternates one forward, one backward, so at most K-d micro-batches are in
-  flight instead of M; same bubble as GPipe.
-* Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM, sec. 2.2): each device
-  holds v stages; the bubble shrinks by v at the cost of v times more messages.
-
-Per-device orders follow torch.distributed.pipelining.schedules
-(Schedule1F1B, ScheduleInterleaved1F1B, `_get_warmup_ops`, `_get_1f1b_rank_ops`);
-the cycles are then the earliest clock cycle each task can run at, with unit-time
-tasks (`_pack`), rather than torch's hand-placed padding.
+GPipe: Huang et al. 2019, fig. 2c. 1F1B (PipeDream-flush) and interleaved 1F1B: Narayanan et al. 2021
+(Megatron-LM sec. 2.2). Device orders follow torch.distributed.pipelining.schedules (Schedule1F1B,
+ScheduleInterleaved1F1B); cycles are the earliest each task can run with unit-time tasks (`_pack`).
 """
 from __future__ import annotations
 
@@ -42,9 +27,12 @@ def _deps(t: Task, n_stages: int) -> list[Task]:
     if t.kind == "F":
         return [Task(t.stage - 1, t.micro_batch, "F")] if t.stage > 0 else []
     deps = [Task(t.stage, t.micro_batch, "F")]
-    if t.stage < n_stages - 1:
-        deps.append(Task(t.stage + 1, t.micro_batch, "B"))
-    return deps
+    return deps + [Task(t.stage + 1, t.micro_batch, "B")] if t.stage < n_stages - 1 else deps
+
+
+def _interleavable(n_devices: int, chunks: int) -> bool:
+    """torch's rule: micro-batches split into max(1, M // K) equal rounds."""
+    return chunks % max(1, chunks // n_devices) == 0
 
 
 @dataclass(frozen=True)
@@ -55,47 +43,36 @@ class Schedule:
     chunks: int              # micro-batches M
     cycles: tuple[tuple[Task, ...], ...]   # tasks that may run at the same clock cycle
 
-    # -- builders -----------------------------------------------------------
     @classmethod
     def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> "Schedule":
-        """GPipe fig. 2c: stage j runs forward i at clock i + j, backwards mirror that in reverse."""
-        _check_sizes(n_stages, chunks)
-        span = chunks + n_stages - 1
-        cycles: list[list[Task]] = [[] for _ in range(span * (2 if backward else 1))]
-        for i in range(chunks):
-            for j in range(n_stages):
-                cycles[i + j].append(Task(j, i, "F"))
-                if backward:
-                    cycles[span + (chunks - 1 - i) + (n_stages - 1 - j)].append(Task(j, i, "B"))
-        s = cls("gpipe", n_stages, n_stages, chunks, tuple(tuple(sorted(c)) for c in cycles))
-        s.validate()
-        return s
+        """All forwards, then all backwards in reverse: stage j runs forward i at clock i + j."""
+        backwards = range(chunks - 1, -1, -1) if backward else ()
+        orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards]
+                  for j in range(n_stages)]
+        return cls._pack("gpipe", n_stages, n_stages, chunks, orders)
 
     @classmethod
     def one_f_one_b(cls, n_stages: int, chunks: int) -> "Schedule":
-        """PipeDream-flush: K-d-1 warm-up forwards on device d, then F,B pairs, then the
-        remaining backwards (Megatron's `num_warmup_microbatches`; torch's Schedule1F1B
-        does the same order as K-d forwards then B,F pairs). With M < K it is GPipe."""
-        _check_sizes(n_stages, chunks)
+        """PipeDream-flush: K-d-1 warm-up forwards on device d (Megatron's `num_warmup_microbatches`), then
+        F,B pairs, then the remaining backwards; at most K-d micro-batches in flight. With M < K it is GPipe."""
         orders = []
         for d in range(n_stages):
             warmup = min(chunks, n_stages - d - 1)
             order = [Task(d, i, "F") for i in range(warmup)]
             for i in range(chunks - warmup):
                 order += [Task(d, warmup + i, "F"), Task(d, i, "B")]
-            order += [Task(d, i, "B") for i in range(chunks - warmup, chunks)]
-            orders.append(order)
+            orders.append(order + [Task(d, i, "B") for i in range(chunks - warmup, chunks)])
         return cls._pack("1f1b", n_stages, n_stages, chunks, orders)
 
     @classmethod
     def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> "Schedule":
-        """Megatron-LM sec. 2.2, as torch's ScheduleInterleaved1F1B builds it: forwards go
-        depth first in rounds of `per_round` micro-batches (K when K divides M) through the
-        device's v stages; backwards the same from the last stage; warm-up
-        (v-1)*per_round + 2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs.
-        torch relaxes Megatron's M % K == 0 to M % max(1, M // K) == 0."""
+        """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches
+        through the device's v stages, backwards the same from the last stage; warm-up (v-1)*per_round +
+        2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs. torch relaxes Megatron's M % K == 0 to
+        M % max(1, M // K) == 0."""
         K, v, M = n_devices, virtual_stages, chunks
-        _check_sizes(K, M)
+        if K < 1 or M < 1:
+            raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
         if v < 2:
             raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); "
                              "with one stage per device use '1f1b'")
@@ -106,14 +83,11 @@ class Schedule:
                              f"= {M // K} (got chunks={M}, n_devices={K}); any multiple of n_devices "
                              f"works: nearest valid chunks are {below} and {above}")
         per_round, total = M // max(1, M // K), v * M
-
-        def mb(k: int) -> int:
-            return k // (per_round * v) * per_round + k % per_round
-
+        mb = [k // (per_round * v) * per_round + k % per_round for k in range(total)]
         orders = []
         for d in range(K):
-            fwd = [Task((k // per_round) % v * K + d, mb(k), "F") for k in range(total)]
-            bwd = [Task((v - 1 - (k // per_round) % v) * K + d, mb(k), "B") for k in range(total)]
+            fwd = [Task((k // per_round) % v * K + d, mb[k], "F") for k in range(total)]
+            bwd = [Task((v - 1 - (k // per_round) % v) * K + d, mb[k], "B") for k in range(total)]
             warmup = min(total, (v - 1) * per_round + 2 * (K - d - 1))
             order = fwd[:warmup]
             for k in range(total - warmup):
@@ -136,9 +110,8 @@ class Schedule:
     @classmethod
     def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int,
               orders: Sequence[Sequence[Task]]) -> "Schedule":
-        """Per-device orders -> clock cycles: each device starts its next task at the first
-        cycle after that task's inputs are done (unit-time tasks). Raises if the orders
-        deadlock, so no builder can return an order a worker would hang on."""
+        """Per-device orders -> clock cycles: each device starts its next task at the first cycle after
+        that task's inputs are done. Raises if the orders deadlock, so no worker can hang on them."""
         done: set[Task] = set()
         heads = [0] * len(orders)
         cycles: list[tuple[Task, ...]] = []
@@ -157,7 +130,6 @@ class Schedule:
         s.validate()
         return s
 
-    # -- queries ------------------------------------------------------------
     @property
     def virtual_stages(self) -> int:
         return self.n_stages // self.n_devices
@@ -173,20 +145,17 @@ class Schedule:
         return [t for cycle in self.cycles for t in cycle if self.device_of(t.stage) == device]
 
     def stage_order(self, stage: int) -> list[Task]:
-        """The tasks of one stage in the order its worker runs them."""
         return [t for cycle in self.cycles for t in cycle if t.stage == stage]
 
     def forward_only(self) -> "Schedule":
-        """The same device orders without backwards, re-packed (inference / no-grad steps).
-        For GPipe this is exactly `gpipe(K, M, backward=False)`."""
+        """The same device orders without backwards, re-packed (inference / no-grad steps)."""
         if not any(t.kind == "B" for c in self.cycles for t in c):
             return self
         orders = [[t for t in self.device_order(d) if t.kind == "F"] for d in range(self.n_devices)]
         return self._pack(self.name, self.n_stages, self.n_devices, self.chunks, orders)
 
     def max_in_flight(self, stage: int) -> int:
-        """Most micro-batches whose forward ran but backward not yet: activations the
-        stage must hold. M for GPipe, K - stage for 1F1B (PipeDream-flush sec. 3)."""
+        """Most micro-batches whose forward ran but backward not yet: M for GPipe, K - stage for 1F1B."""
         live = peak = 0
         for t in self.stage_order(stage):
             live += 1 if t.kind == "F" else -1
@@ -195,26 +164,20 @@ class Schedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B,
-        (K-1)/(v*M+K-1) for interleaved with M >= K (tests derive both)."""
-        busy = sum(len(c) for c in self.cycles)
-        return 1 - busy / (len(self.cycles) * self.n_devices)
+        """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B, (K-1)/(v*M+K-1) interleaved (M >= K)."""
+        return 1 - sum(len(c) for c in self.cycles) / (len(self.cycles) * self.n_devices)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first broken rule. Dependencies in strictly earlier
-        cycles plus at most one task per device per cycle make the cycle index an order
-        every worker's list agrees with, hence the device orders cannot deadlock."""
-        if self.n_devices < 1 or self.chunks < 1 or self.n_stages < 1:
-            raise ValueError(f"a schedule needs at least one device, stage and micro-batch "
-                             f"(got K={self.n_devices}, stages={self.n_stages}, M={self.chunks})")
-        if self.n_stages % self.n_devices:
-            raise ValueError(f"{self.n_stages} stages do not split evenly over {self.n_devices} devices")
+        """Raise ValueError naming the first broken rule. Dependencies in strictly earlier cycles and at most
+        one task per device per cycle make every device order agree with the cycles: no deadlock."""
+        if min(self.n_devices, self.chunks, self.n_stages) < 1 or self.n_stages % self.n_devices:
+            raise ValueError(f"a schedule needs at least one device and micro-batch, and stages that split evenly "
+                             f"over the devices (got K={self.n_devices}, stages={self.n_stages}, M={self.chunks})")
         when: dict[Task, int] = {}
         for c, cycle in enumerate(self.cycles):
             busy: set[int] = set()
             for t in cycle:
-                if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks
-                        and t.kind in ("F", "B")):
+                if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks and t.kind in ("F", "B")):
                     raise ValueError(f"task {t!r} at cycle {c} is out of range")
                 if t in when:
                     raise ValueError(f"task {t!r} runs twice (cycles {when[t]} and {c})")
@@ -223,13 +186,11 @@ class Schedule:
                 busy.add(self.device_of(t.stage))
                 when[t] = c
         kinds = ("F", "B") if any(t.kind == "B" for t in when) else ("F",)
-        for s in range(self.n_stages):
-            for i in range(self.chunks):
-                for k in kinds:
-                    if Task(s, i, k) not in when:
-                        raise ValueError(f"missing {k} of micro-batch {i} on stage {s}: "
-                                         "every (stage, micro-batch) needs one F" +
-                                         (" and one B" if len(kinds) == 2 else ""))
+        missing = next((Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds
+                        if Task(s, i, k) not in when), None)
+        if missing is not None:
+            raise ValueError(f"missing {missing.kind} of micro-batch {missing.micro_batch} on stage {missing.stage}: "
+                             f"every (stage, micro-batch) needs one {' and one '.join(kinds)}")
         for t, c in when.items():
             for p in _deps(t, self.n_stages):
                 if when[p] >= c:
@@ -238,32 +199,16 @@ class Schedule:
 
     def __str__(self) -> str:
         v = self.virtual_stages
-
-        def cell(t: Task | None) -> str:
-            return "." if t is None else f"{t}.{t.stage}" if v > 1 else str(t)
-
-        grid = [[next((t for t in c if self.device_of(t.stage) == d), None) for c in self.cycles]
-                for d in range(self.n_devices)]
-        width = max([2, len(str(len(self.cycles) - 1))] + [len(cell(t)) for row in grid for t in row])
+        grid = [[next((f"{t}.{t.stage}" if v > 1 else str(t) for t in c if self.device_of(t.stage) == d), ".")
+                 for c in self.cycles] for d in range(self.n_devices)]
+        width = max([2, len(str(len(self.cycles) - 1))] + [len(cell) for row in grid for cell in row])
         note = ("cells: F<i>.<s> / B<i>.<s> = forward / backward of micro-batch i through stage s"
                 if v > 1 else "cells: F<i> / B<i> = forward / backward of micro-batch i") + ", . = idle"
         rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, "
                 f"M={self.chunks} micro-batches, {len(self.cycles)} clock cycles, "
                 f"bubble {self.bubble_fraction:.3f}", note,
                 "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
-        rows += [f"device {d:<2} " + " ".join(f"{cell(t):>{width}}" for t in row)
-                 for d, row in enumerate(grid)]
+        rows += [f"device {d:<2} " + " ".join(f"{cell:>{width}}" for cell in row) for d, row in enumerate(grid)]
         return "\n".join(rows)
 
     __repr__ = __str__
-
-
-def _interleavable(n_devices: int, chunks: int) -> bool:
-    """torch's rule: micro-batches split into max(1, M // K) equal rounds."""
-    return chunks % max(1, chunks // n_devices) == 0
-
-
-def _check_sizes(n_devices: int, chunks: int) -> None:
-    if n_devices < 1 or chunks < 1:
-        raise ValueError(f"a schedule needs at least one stage and one micro-batch "
-                         f"(got K={n_devices}, M={chunks})")

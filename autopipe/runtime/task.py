@@ -1,31 +1,8 @@
-"""One task context: a stage's forward or backward for one micro-batch, for every transport.
+"""One task: a stage's forward, re-materialisation or backward for one micro-batch, for every transport.
 
-Both runtimes (threads in one process, one process per stage under torchrun)
-run their stages through :class:`StageRunner`, so re-materialisation, random
-streams, BatchNorm buffers and gradients behave the same whichever way the
-tensors travel (docs/architecture.md, "Runtime").
-
-Re-materialisation (GPipe, Huang et al. 2019, sec. 2.3): a checkpointed
-micro-batch runs its forward with grad mode ON, like the recompute will, and
-drops the graph at once; the recompute then runs the same kernels on the same
-inputs with the same random stream, so it reproduces the forward bit for bit.
-(Running the first forward under ``no_grad`` is not enough: some models, e.g.
-T5 on CPU, pick other kernels without grad mode and differ by ~1e-6.) This is
-also what ``torch.utils.checkpoint`` does (non-reentrant: grad mode on, saved
-tensors dropped); the recompute here is explicit so it can run before the
-gradient arrives, off the critical path.
-
-Randomness: codegen gives every random op of a stage a ``generator`` argument
-(passes/codegen.py); each (stage, micro-batch) task seeds that generator from
-the step's seed, so forward and recompute draw the same numbers and a seeded
-run is reproducible whatever the thread timing.
-
-Gradients: each task computes the gradients of its stage's inputs and
-parameters with ``torch.autograd.grad``; parameter gradients are summed per
-stage in schedule order and across stages in stage order, so a seeded step is
-bitwise reproducible (tied weights too), and the caller's autograd call
-(``backward()``, ``backward(inputs=...)``, ``torch.autograd.grad``) decides
-where they land.
+Re-materialisation (GPipe sec. 2.3) runs the first forward with grad mode on, so the recompute repeats the
+same kernels on the same inputs with the same generator seed: bit for bit. Parameter gradients come from
+``torch.autograd.grad`` and are summed in schedule order. docs/architecture.md, "Runtime", has the why.
 """
 from __future__ import annotations
 
@@ -119,7 +96,7 @@ class StepState:
         seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
         return cls(training=training, random=random, checkpoint=checkpoint if training else "never",
                    chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(),
-                   timeline=Timeline(schedule if training else schedule.forward_only()),
+                   timeline=Timeline(schedule),
                    memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)], checkpoint) if track_memory else None,
                    deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None)
 

@@ -1,17 +1,8 @@
-"""The in-process transport: one worker thread per device, tensors handed over through a mailbox.
+"""The in-process transport: one worker thread per device, values handed over as Futures in a mailbox.
 
-Threads, not processes: stages share the model's Parameter objects and the
-caller's autograd graph. On CPU each worker is its own "device" and sets its
-own intra-op thread count when it starts (ATen keeps the OpenMP thread count
-per thread; a new thread takes the last value set anywhere), so K workers with
-cores // K threads each do not oversubscribe the cores and the caller's own
-setting is left alone.
-
-A value waits in the mailbox as a Future, so a task blocks only on what it
-reads (a tensor that skips stages goes straight to its consumer). The
-gradient of a value read by several stages (and by the model's output) is
-summed in a fixed order, consumers by stage index and the output last, once
-all have answered: seeded runs are bitwise reproducible.
+A CPU worker sets its own intra-op thread count (ATen keeps it per thread), so K workers do not
+oversubscribe the cores. A gradient read by several stages is summed in a fixed order: consumers by
+stage index, the model's output last.
 """
 from __future__ import annotations
 

@@ -1,23 +1,16 @@
-"""Timeline: what ran when in the last step; a text Gantt chart per device and a Chrome trace.
-
-Rows are devices, as in ``print(pipe.schedule)``, so a step can be read against
-its schedule: the order each device ran its tasks in, the measured bubble (idle
-share of device time between the first task's start and the last task's end)
-next to the schedule's own, and the busy time per device (the measured imbalance).
-"""
+"""What ran when in the last step: a text Gantt chart per device (rows as in ``print(pipe.schedule)``), the
+measured bubble beside the schedule's, busy time per device, and a Chrome trace."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from .schedule import Schedule
 
-KINDS = ("forward", "recompute", "backward", "copy")
 _MARK = {"forward": "F", "recompute": "R", "backward": "B"}
 
 
@@ -25,24 +18,15 @@ _MARK = {"forward": "F", "recompute": "R", "backward": "B"}
 class Event:
     stage: int
     micro_batch: int
-    kind: str          # one of KINDS
+    kind: str          # "forward", "recompute" or "backward"
     start: float       # seconds, time.perf_counter()
     end: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
 
 
 @dataclass
 class Timeline:
     schedule: Schedule
-    events: list[Event] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record(self, stage: int, micro_batch: int, kind: str, start: float, end: float) -> None:
-        with self._lock:
-            self.events.append(Event(stage, micro_batch, kind, start, end))
+    events: list[Event] = field(default_factory=list)  # appended by every worker: list.append is atomic
 
     @contextlib.contextmanager
     def span(self, stage: int, micro_batch: int, kind: str) -> Iterator[None]:
@@ -51,9 +35,8 @@ class Timeline:
         try:
             yield
         finally:
-            self.record(stage, micro_batch, kind, start, time.perf_counter())
+            self.events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
 
-    # -- numbers ---------------------------------------------------------------
     @property
     def start(self) -> float:
         return min((e.start for e in self.events), default=0.0)
@@ -63,25 +46,22 @@ class Timeline:
         return max((e.end for e in self.events), default=0.0) - self.start
 
     def device_events(self, device: int) -> list[Event]:
-        """The device's computing events (forward, recompute, backward) in the order they started."""
-        return sorted((e for e in self.events if e.kind != "copy" and self.schedule.device_of(e.stage) == device),
-                      key=lambda e: e.start)
+        return sorted((e for e in self.events if self.schedule.device_of(e.stage) == device), key=lambda e: e.start)
 
     def busy(self, device: int) -> float:
-        """Seconds the device's worker spent computing (copies overlap compute)."""
-        return sum(e.seconds for e in self.device_events(device))
+        return sum(e.end - e.start for e in self.device_events(device))
 
     def ran(self, device: int) -> list[str]:
         """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>; R<i> a recompute)."""
         suffix = self.schedule.virtual_stages > 1
-        return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "") for e in self.device_events(device)]
+        return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "")
+                for e in self.device_events(device)]
 
     @property
     def measured_bubble(self) -> float:
-        if not self.makespan:
-            return 0.0
+        """Idle share of device time between the first task's start and the last task's end."""
         k = self.schedule.n_devices
-        return 1.0 - sum(self.busy(d) for d in range(k)) / (k * self.makespan)
+        return 1.0 - sum(self.busy(d) for d in range(k)) / (k * self.makespan) if self.makespan else 0.0
 
     @property
     def predicted_bubble(self) -> float:
@@ -93,7 +73,6 @@ class Timeline:
         mean = sum(busy) / len(busy)
         return max(busy) / mean if mean else 1.0
 
-    # -- views -----------------------------------------------------------------
     def __str__(self, width: int = 96) -> str:
         s = self.schedule
         if not self.events:
@@ -120,21 +99,16 @@ class Timeline:
 
     __repr__ = __str__
 
-    def chrome_trace(self) -> dict:
-        t0 = self.start
-        events = [{
-            "name": f"{e.kind} {e.micro_batch}", "cat": e.kind, "ph": "X",
-            "ts": (e.start - t0) * 1e6, "dur": e.seconds * 1e6, "pid": self.schedule.device_of(e.stage), "tid": e.stage,
-            "args": {"stage": e.stage, "micro_batch": e.micro_batch},
-        } for e in self.events]
-        names = [{"name": "thread_name", "ph": "M", "pid": self.schedule.device_of(s), "tid": s,
-                  "args": {"name": f"stage {s}"}} for s in range(self.schedule.n_stages)]
-        names += [{"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}}
-                  for d in range(self.schedule.n_devices)]
-        return {"traceEvents": names + events, "displayTimeUnit": "ms"}
-
     def save_chrome_trace(self, path: str | os.PathLike[str]) -> str:
         """Write a trace that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
+        t0, device_of = self.start, self.schedule.device_of
+        events = [{"name": f"{e.kind} {e.micro_batch}", "cat": e.kind, "ph": "X", "ts": (e.start - t0) * 1e6,
+                   "dur": (e.end - e.start) * 1e6, "pid": device_of(e.stage), "tid": e.stage,
+                   "args": {"stage": e.stage, "micro_batch": e.micro_batch}} for e in self.events]
+        names = [{"name": "thread_name", "ph": "M", "pid": device_of(s), "tid": s, "args": {"name": f"stage {s}"}}
+                 for s in range(self.schedule.n_stages)]
+        names += [{"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}}
+                  for d in range(self.schedule.n_devices)]
         with open(path, "w") as f:
-            json.dump(self.chrome_trace(), f)
+            json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
         return os.fspath(path)

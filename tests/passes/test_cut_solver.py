@@ -1,4 +1,4 @@
-"""Property tests of the exact cut solver (passes/partition.py, pure part).
+"""Property tests of the exact cut solver (passes/cut_solver.py).
 
 Small graphs are checked against exhaustive search over every split; medium ones against a
 plain O(K N^2) dynamic program; costs are integer-valued (and the comm factor dyadic) so that
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 try:
-    from autopipe.passes.partition import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+    from autopipe.passes.cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
 except ImportError:  # running from a checkout without installing
-    from passes.partition import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+    from passes.cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
 
 
 # ---- an independent reading of the model -------------------------------------------------

@@ -1,0 +1,142 @@
+"""passes/partition.py: the graph adapter around the cut solver, on small real models."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopipe.passes.cost import cost
+from autopipe.passes.partition import NoFeasiblePlan, partition
+from autopipe.passes.trace import trace
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def costed(model, *args):
+    return cost(trace(model, args, route="fx"))
+
+
+def stage_of(plan) -> dict[str, int]:
+    return {name: s.index for s in plan.stages for name in s.nodes}
+
+
+class Chain(nn.Module):
+    """Four equal layers; the first layer's output also skips to the last."""
+
+    def __init__(self, skip: bool):
+        super().__init__()
+        self.skip = skip
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h0 = self.layers[0](x)
+        h = self.layers[2](self.layers[1](h0))
+        return self.layers[3](h + h0 if self.skip else h)
+
+
+def test_crossing_tensors_are_the_ones_live_across_each_cut():
+    plan = partition(costed(Chain(skip=False), torch.randn(4, 8)), 2)
+    assert [s.nodes for s in plan.stages] == [("layers_0", "layers_1"), ("layers_2", "layers_3")]
+    assert [t.name for t in plan.cut_tensors(0)] == ["layers_1"]
+    crossing = plan.tensors["layers_1"]
+    assert (crossing.producer, crossing.consumers, crossing.shape, crossing.batched) == (0, (1,), (4, 8), True)
+    assert plan.stages[1].inputs == ("layers_1",) and plan.stages[1].outputs == ("layers_3",)
+    assert plan.graph_outputs == ["layers_3"] and plan.tensors["layers_3"].is_output
+
+
+def test_a_skip_is_counted_and_the_cut_with_fewer_crossings_wins():
+    graph = costed(Chain(skip=True), torch.randn(4, 8))
+    # cutting after layers_0 costs 1.49x the best cut (after layers_1) but carries one tensor, not two
+    plan = partition(graph, 2, tolerance=0.5)
+    assert len(plan.cut_tensors(0)) == 1
+    even = partition(graph, 2, tolerance=0.0)
+    assert even.stages[0].nodes == ("layers_0", "layers_1")
+    assert sorted(t.name for t in even.cut_tensors(0)) == ["layers_0", "layers_1"]  # the skip crosses too
+    assert even.bottleneck == even.optimum < plan.bottleneck <= 1.5 * plan.optimum
+    assert even.lower_bound == even.total_cost / 2
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.body = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+def test_tied_parameters_are_held_by_both_stages_and_reported():
+    plan = partition(costed(Tied(), torch.randint(0, 32, (4, 6))), 3)
+    assert stage_of(plan)["emb"] == 0 and stage_of(plan)["head"] == 2
+    assert plan.shared_params == {"emb.weight": (0, 2)}
+    assert "emb.weight" in plan.stages[0].params and "emb.weight" in plan.stages[2].params
+    assert "emb.weight" not in plan.stages[1].params
+    assert plan.stages[2].param_bytes == 32 * 16 * 4
+
+
+class Masked(nn.Module):
+    """A mask computed from the input alone, far cheaper than a layer, is read in every stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        keep = (x > 0).float()
+        for layer in self.layers:
+            x = layer(x) * keep
+        return x
+
+
+def test_a_cheap_node_of_the_inputs_is_replicated_not_sent():
+    plan = partition(costed(Masked(), torch.randn(4, 64)), 3)
+    assert all(s.replicated == ("gt", "float_1") for s in plan.stages)
+    assert "float_1" not in plan.tensors and all("float_1" not in s.nodes for s in plan.stages)
+    assert all("x" in s.inputs for s in plan.stages)  # each stage recomputes the mask from the input
+    assert [len(plan.cut_tensors(c)) for c in range(2)] == [1, 1]
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        return self.out(q * k + v)
+
+
+def test_getitems_of_a_tuple_stay_with_their_producer():
+    graph = costed(Split(), torch.randn(4, 8))
+    for n_stages in (2, 3, 4):
+        plan = partition(graph, n_stages)
+        stages = stage_of(plan)
+        assert stages["split"] == stages["getitem"] == stages["getitem_1"] == stages["getitem_2"]
+        assert "split" not in plan.tensors  # the tuple never crosses, its tensors may
+
+
+def test_balance_by_shares_and_by_params():
+    graph = costed(nn.Sequential(*(nn.Linear(8, 8) for _ in range(8))), torch.randn(4, 8))
+    assert [len(s.nodes) for s in partition(graph, 2, balance=[1, 3]).stages] == [2, 6]
+    assert partition(graph, 2, balance=[1, 3]).balance == "shares [1, 3]"
+    by_params = partition(graph, 4, balance="params")
+    assert [s.cost for s in by_params.stages] == [2 * (8 * 8 + 8) * 4] * 4
+    with pytest.raises(ValueError, match="needs 2 positive per-stage weights"):
+        partition(graph, 2, balance=[1, 0])
+
+
+def test_memory_cap_too_small_names_the_stage_over_it():
+    graph = costed(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), torch.randn(4, 64))
+    with pytest.raises(NoFeasiblePlan, match=r"no split into 2 stages fits memory_cap.*stage \d \(nodes"):
+        partition(graph, 2, memory_cap=1000.0)
+    roomy = partition(graph, 2, memory_cap=1e9)
+    assert [len(s.nodes) for s in roomy.stages] == [2, 2]
+
+
+def test_more_stages_than_operations_is_a_clear_error():
+    with pytest.raises(ValueError, match="only 4 operations to spread over them; use at most 4 devices"):
+        partition(costed(Chain(skip=False), torch.randn(4, 8)), 5)
