@@ -39,7 +39,7 @@ def split(inputs: Sequence[torch.Tensor], names: Sequence[str], sizes: list[int]
         if t.dim() > 0 and t.shape[0] != batch:
             raise BatchMismatch(f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} "
                                 f"(from {names[0]!r}); every tensor argument must carry the same batch in dim 0")
-        columns.append(list(torch.split(t, sizes)) if t.dim() > 0 else [t] * len(sizes))
+        columns.append(list(torch.split(t, sizes)) if t.dim() > 0 and len(sizes) > 1 else [t] * len(sizes))
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in sizes]
 
 
