@@ -67,8 +67,7 @@ class Options:
     def make(cls, devices: Sequence[torch.device], **options: Any) -> "Options":
         """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K]."""
         checked = cls(tuple(devices), **options)
-        n_stages = len(devices) * checked.virtual_stages
-        return replace(checked, devices=tuple(devices[s % len(devices)] for s in range(n_stages)))
+        return replace(checked, devices=tuple(devices) * checked.virtual_stages)
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
@@ -109,20 +108,19 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
 
 def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
     """For planning only: an int names that many stages without checking they exist."""
-    if _positive_int(devices):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]
-    return resolve_devices(devices)
+    if not _positive_int(devices):
+        return resolve_devices(devices)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]
 
 
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
-               generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
-               progress: Progress | None = None) -> Compiled:
+               generate: bool = True, before_codegen: Callable[[Plan], None] | None = None) -> Compiled:
     """trace -> cost -> partition (-> codegen with ``generate``), leaving the caller's global state (grad mode,
     RNG, autocast, defaults) as it was. ``before_codegen(plan)``: compile places parameters on their stages' devices
     there, the torchrun runtime materialises its meta weights. A model that specialises on the batch size is
     traced once per micro-batch size."""
-    progress = progress or Progress(options.verbose)
+    progress = Progress(options.verbose)
 
     def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
         traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
@@ -177,8 +175,7 @@ def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | N
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
-        given = isinstance(options.balance, tuple)
-        report["detail"] = "balance=given weights" if given else f"balance={options.balance!r}"
+        report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
     return traced, costed
 
 
@@ -251,9 +248,6 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
     of the pipeline; ``timeout`` seconds bound any wait on a peer)."""
     chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
                   tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
-    example = None
-    if example_inputs is not None or example_kwargs:
-        example = (_as_tuple(example_inputs), example_kwargs or {})
     if devices is None and running_under_torchrun():
         # every rank plans all K stages; the options are checked before any process group exists
         n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
@@ -261,33 +255,29 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
                                **chosen)
         pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout,
                                    deferred_batch_norm=deferred_batch_norm)
-        if example is not None:
-            pipe.build(*example)
-        return pipe
-    if data_parallel != 1:
-        raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
-    device_list = resolve_devices(devices)
-    options = Options.make(device_list, verbose=verbose, **chosen)
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real "
-                         f"weights (use autopipe.plan to plan a meta model, or materialise it with to_empty() and "
-                         f"load a state dict)")
+    else:
+        if data_parallel != 1:
+            raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
+        device_list = resolve_devices(devices)
+        options = Options.make(device_list, verbose=verbose, **chosen)
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs "
+                             f"real weights (use autopipe.plan to plan a meta model, or materialise it with "
+                             f"to_empty() and load a state dict)")
 
-    def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
-        return run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
+        def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
+            return run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
 
-    pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
-                    deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
-                    track_memory=track_memory)
-    if example is not None:
-        pipe.compile_for(*example)
+        pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
+                        deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
+                        track_memory=track_memory)
+    if example_inputs is not None or example_kwargs:
+        pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
     return pipe
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
-    if example_inputs is None:
-        return ()
-    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+def _as_tuple(inputs: Any) -> tuple:
+    return () if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def _place(model: torch.nn.Module, result: Plan) -> None:

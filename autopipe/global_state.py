@@ -15,7 +15,6 @@ import torch.fx._symbolic_trace
 import torch.utils._device
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-__all__ = ["GlobalStateLeak", "GlobalStateGuard", "PIECES", "preserved_global_state", "snapshot", "differences"]
 _autograd = torch._C._autograd
 Piece = tuple[Callable[[], Any], Callable[[Any], None]]  # how to read it, how to put a reading back
 
@@ -173,18 +172,9 @@ class GlobalStateGuard(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        try:
-            self.restore()
-        except GlobalStateLeak as leak:
-            if error is None:
-                raise
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"autopipe.global_state: {leak}")
-
-    def restore(self) -> list[str]:
-        """Put back every piece that differs from ``before``; GlobalStateLeak names those that could not be."""
+        """Put back every piece that differs from ``before``; GlobalStateLeak names those that could not be
+        (a note on the block's own exception, if it raised)."""
         pieces = _pieces_now()
-        restored: dict[str, None] = {}
         failures: dict[str, str] = {}
         for _ in range(2):  # a second round for pieces that share state (the old and new TF32 switches)
             for name in [n for n in self.before if n in pieces and n not in failures]:
@@ -192,14 +182,17 @@ class GlobalStateGuard(contextlib.ContextDecorator):
                 try:
                     if not _same(get(), self.before[name]):
                         set(self.before[name])  # only then: some setters warn, some cost
-                        restored[name] = None
+                        self.restored.append(name)
                 except Exception as e:  # noqa: BLE001 - every piece gets its chance
                     failures[name] = str(e) if isinstance(e, GlobalStateLeak) else f"{type(e).__name__}: {e}"
-        self.restored.extend(name for name in restored if name not in failures)
+        self.restored = [name for name in dict.fromkeys(self.restored) if name not in failures]
         if failures:
-            raise GlobalStateLeak("global state changed and was not put back: "
-                                  + "; ".join(f"{name}: {why}" for name, why in failures.items()))
-        return list(restored)
+            leak = GlobalStateLeak("global state changed and was not put back: "
+                                   + "; ".join(f"{name}: {why}" for name, why in failures.items()))
+            if error is None:
+                raise leak
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"autopipe.global_state: {leak}")
 
 
 preserved_global_state = GlobalStateGuard

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -48,9 +48,6 @@ class SavedTensors:
     saves: dict[str, frozenset[int]]           # node name -> storages its forward saves for backward
     storage_bytes: dict[int, int]              # storage key -> bytes at the whole batch
     value_storages: dict[str, frozenset[int]]  # graph value (placeholder / node) -> storages it lives in
-
-    def bytes_of(self, keys: Iterable[int]) -> int:
-        return sum(self.storage_bytes[k] for k in set(keys))
 
 
 def saved_tensors(costed: CostedGraph) -> SavedTensors:
@@ -136,23 +133,15 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Ca
         bound = random_ops.bind(target, node.args, node.kwargs)
         if bound is None or random_ops.draws(bound):
             fn, extra = random_ops.FUNCTIONS[target]
-            signature = random_ops.signature_of(fn)
-            parameters = signature.parameters if signature is not None else {}
-            kwargs = {("training" if k == "train" and "train" not in parameters else k): v for k, v in kwargs.items()}
+            kwargs = dict(kwargs)
+            if "train" in kwargs and "train" not in getattr(random_ops.signature_of(fn), "parameters", {}):
+                kwargs["training"] = kwargs.pop("train")
             return fn(*args, **{**kwargs, **extra})
     return target(*args, **kwargs)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _stage_saves(saved: SavedTensors, stage) -> set[int]:
-    return {k for name in (*stage.nodes, *stage.replicated) for k in saved.saves.get(name, ())}
-
-
-def _inputs(plan: Plan, stage, batched: bool) -> int:
-    return sum(t.nbytes for n in stage.inputs if (t := plan.tensors.get(n)) is not None and t.batched == batched)
 
 
 @dataclass(frozen=True)
@@ -182,11 +171,9 @@ class MemoryPrediction:
 class PredictedMemory(list):
     """``list[MemoryPrediction]``, one per stage, that prints as a table with its formula."""
 
-    def __init__(self, stages: Iterable[MemoryPrediction], *, schedule: str, checkpoint: str, chunks: int,
-                 virtual_stages: int, n_devices: int, optimizer: str | None):
+    def __init__(self, stages: Iterable[MemoryPrediction], **settings):
         super().__init__(stages)
-        self.schedule, self.checkpoint, self.chunks = schedule, checkpoint, chunks
-        self.virtual_stages, self.n_devices, self.optimizer = virtual_stages, n_devices, optimizer
+        self.__dict__.update(settings)  # schedule, checkpoint, chunks, virtual_stages, n_devices, optimizer, bubble
 
     def per_device(self) -> list[int]:
         """Total bytes per device: the sum over the stages it holds (v of them when interleaved)."""
@@ -231,14 +218,16 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
     n = min(chunks, batch)  # micro-batch i holds rows_i of the figures' rows, as the runtime splits the batch
     fractions = [(batch // n + (i < batch % n)) / rows for i in range(n)]
     recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
-    schedule = Schedule.build(schedule_name, _n_devices(plan, virtual_stages), n, virtual_stages)
+    schedule = _schedule(plan, schedule_name, n, virtual_stages)
     stages = []
     for s in plan.stages:
-        held = _stage_saves(saved, s)
-        for name in s.inputs:  # the runtime holds a stage's inputs until its backward, saved or not
-            if (info := plan.tensors.get(name)) is not None and info.kind == "tensor":
-                held |= saved.value_storages.get(name, frozenset())
-        activations, inputs, fixed = saved.bytes_of(held), _inputs(plan, s, True), _inputs(plan, s, False)
+        received = [(name, t) for name in s.inputs if (t := plan.tensors.get(name)) is not None]
+        held = {k for name in (*s.nodes, *s.replicated) for k in saved.saves.get(name, ())}
+        # the runtime holds a stage's inputs until its backward, saved or not
+        held |= {k for name, t in received if t.kind == "tensor" for k in saved.value_storages.get(name, ())}
+        activations = sum(saved.storage_bytes[k] for k in held)
+        inputs = sum(t.nbytes for _, t in received if t.batched)
+        fixed = sum(t.nbytes for _, t in received if not t.batched)
         act = [activations * x for x in fractions]
         kept = [inputs * x + fixed if r else a for x, r, a in zip(fractions, recomputed, act)]
         live, peak, in_flight, at_peak = 0.0, 0.0, set(), set()
@@ -255,8 +244,8 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
             round(peak), round(max((a for a, r in zip(act, recomputed) if r), default=0.0)),
             schedule.max_in_flight(s.index), round(sum(kept)),
             " + ".join(f"{k} x {what}/M ({_human(each)})" for k, what, each in terms if k) or "0"))
-    return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks,
-                           virtual_stages=virtual_stages, n_devices=schedule.n_devices, optimizer=optimizer)
+    return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks, optimizer=optimizer,
+                           virtual_stages=virtual_stages, n_devices=schedule.n_devices, bubble=schedule.bubble_fraction)
 
 
 def beside_measured(predicted: PredictedMemory, measured) -> str:
@@ -270,10 +259,10 @@ def beside_measured(predicted: PredictedMemory, measured) -> str:
                                       "measured", "meas/pred", "kept in flight pred", "in flight"], tablefmt="simple"))
 
 
-def _n_devices(plan: Plan, virtual_stages: int) -> int:
+def _schedule(plan: Plan, name: str, chunks: int, virtual_stages: int) -> Schedule:
     if plan.n_stages % virtual_stages:
         raise ValueError(f"{plan.n_stages} stages do not split into {virtual_stages} virtual stages per device")
-    return plan.n_stages // virtual_stages
+    return Schedule.build(name, plan.n_stages // virtual_stages, chunks, virtual_stages)
 
 
 def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
@@ -282,15 +271,14 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
     """The busiest device's forwards, backwards, recomputes and ``task_overhead`` per (stage, micro-batch) task
     (None: DEVICE_FLOPS x (TASK_SECONDS + OP_SECONDS per op)), in the plan's cost units, over (1 - the bubble)."""
     chunks = chunks or plan.chunks
-    schedule = Schedule.build(schedule_name, _n_devices(plan, virtual_stages), chunks, virtual_stages)
+    schedule = _schedule(plan, schedule_name, chunks, virtual_stages)
     recomputed = sum(checkpoints(checkpoint, i, chunks) for i in range(chunks))
     flops = sum(s.flops for s in plan.stages)
     per_flop = plan.total_cost / flops if flops else 0.0
     work = [0.0] * schedule.n_devices
     for s in plan.stages:
-        overhead = task_overhead
-        if overhead is None:
-            overhead = per_flop * DEVICE_FLOPS * (TASK_SECONDS + OP_SECONDS * (len(s.nodes) + len(s.replicated)))
+        seconds = TASK_SECONDS + OP_SECONDS * (len(s.nodes) + len(s.replicated))
+        overhead = per_flop * DEVICE_FLOPS * seconds if task_overhead is None else task_overhead
         work[schedule.device_of(s.index)] += (s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks)
                                               + overhead * (2 * chunks + recomputed))
     busy = 1.0 - schedule.bubble_fraction
@@ -299,26 +287,24 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
 
 @dataclass(eq=False)
 class Candidate:
-    schedule: str
-    virtual_stages: int
-    checkpoint: str
-    chunks: int
+    """One configuration weighed; its settings, peak and bubble read through from its predicted memory."""
+
     plan: Plan
     memory: PredictedMemory
-    bubble: float
     time: float
     fits: bool
 
-    @property
-    def peak(self) -> int:
-        return self.memory.peak
+    def __getattr__(self, name: str) -> Any:
+        if name in ("schedule", "virtual_stages", "checkpoint", "chunks", "peak", "bubble"):
+            return getattr(self.memory, name)
+        raise AttributeError(name)
 
 
 @dataclass
 class AutoChoice:
     """The configuration ``choose_configuration`` picked (its fields read through), and every one it weighed."""
 
-    chosen: Candidate
+    chosen: Candidate | None  # None: nothing fits, and this only lists the alternatives for the error
     candidates: list[Candidate]
     memory_cap: float
     n_devices: int
@@ -334,8 +320,19 @@ class AutoChoice:
 
     def table(self, full: bool = False) -> str:
         """Every alternative with ``full``; else the best of each (schedule, checkpoint)."""
-        shown = self.candidates if full else _best_per_kind(self.candidates)
-        return _candidates_table(shown, self.unplanned, self.memory_cap, self.ideal, self.chosen)
+        shown: dict[Any, Candidate] = {}
+        for c in sorted(self.candidates, key=_rank):
+            shown.setdefault(id(c) if full else (c.schedule, c.virtual_stages, c.checkpoint), c)
+        cap = self.memory_cap
+        rows = [["->" if c is self.chosen else "",
+                 c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
+                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}",
+                 f"{c.time / self.ideal:.3f}", "fits" if c.fits else f"over by {_human(c.peak - cap)}"]
+                for c in shown.values()]
+        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)",
+                   f"cap {_human(cap)}"]
+        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"),
+                          *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
 
     def __str__(self) -> str:
         c = self.chosen
@@ -353,10 +350,10 @@ class AutoChoice:
 def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int,
                          memory_cap: float, schedules: Sequence[str] = SCHEDULES,
                          checkpoint_modes: Sequence[str] = CHECKPOINT_MODES, chunks: int | Sequence[int] | None = None,
-                         virtual_stages: int = 2, optimizer: str | None = "adam",
-                         task_overhead: float | None = None) -> AutoChoice:
+                         optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
     """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)``
-    gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size."""
+    gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size;
+    "interleaved" runs 2 virtual stages per device."""
     if bad := [*set(schedules) - set(SCHEDULES), *set(checkpoint_modes) - set(CHECKPOINT_MODES)]:
         raise ValueError(f"unknown schedule or checkpoint {bad}; choose from {SCHEDULES} and {CHECKPOINT_MODES}")
     auto = chunks is None
@@ -366,8 +363,8 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     candidates: list[Candidate] = []
     unplanned: list[str] = []
     saved: dict[int, SavedTensors] = {}  # one fake run per graph (kept alive by plan_for's cache: ids stay unique)
-    for name in schedules if virtual_stages > 1 else [n for n in schedules if n != "interleaved"]:
-        v = virtual_stages if name == "interleaved" else 1
+    for name in schedules:
+        v = 2 if name == "interleaved" else 1
         try:
             plan, costed = plan_for(n_devices * v)
         except (ValueError, NoFeasiblePlan) as e:
@@ -376,7 +373,7 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
         saved[id(costed)] = saved.get(id(costed)) or saved_tensors(costed)
         for m in counts:
             try:
-                bubble = Schedule.build(name, n_devices, m, v).bubble_fraction
+                Schedule.build(name, n_devices, m, v)
             except ValueError as e:  # no interleaved table for these chunks: listed only when asked for
                 if not auto:
                     unplanned.append(f"{name}, chunks={m}: {e}")
@@ -384,14 +381,14 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
             for mode in checkpoint_modes:
                 memory = predict_memory(costed, plan, name, mode, m, v, optimizer, saved=saved[id(costed)])
                 time = predicted_step_time(plan, name, mode, m, v, task_overhead=task_overhead)
-                candidates.append(Candidate(name, v, mode, m, plan, memory, bubble, time, memory.peak <= memory_cap))
+                candidates.append(Candidate(plan, memory, time, memory.peak <= memory_cap))
     ideal = (3 * candidates[0].plan.total_cost / n_devices if candidates else 0.0) or 1.0
     least = min(candidates, key=_rank, default=None)  # the fastest that fits, else the smallest peak
+    choice = AutoChoice(None, candidates, memory_cap, n_devices, batch_size, ideal, optimizer, unplanned)
     if least is not None and least.fits:
-        return AutoChoice(least, candidates, memory_cap, n_devices, batch_size, ideal, optimizer, unplanned)
-    table = _candidates_table(_best_per_kind(candidates), unplanned, memory_cap, ideal, None)
+        return replace(choice, chosen=least)
     if least is None:
-        raise NoFeasiblePlan("no configuration could be planned:\n" + table)
+        raise NoFeasiblePlan("no configuration could be planned:\n" + choice.table())
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
     resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
     raise NoFeasiblePlan(
@@ -399,31 +396,13 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
         f"predicted peak is {_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, "
         f"chunks={least.chunks}), on device {worst}, of which {_human(resident)} are parameters, gradients and "
         f"optimizer state ({optimizer or 'none'}). Raise memory_cap to at least {_human(least.peak)}, add devices, "
-        f"use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{table}")
+        f"use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
 
 
 def _rank(c: Candidate) -> tuple:
     """Fitting first, then the fastest (on a tie: less memory, fewer chunks, less recompute); else the least peak."""
     speed = (round(c.time, 9), c.peak) if c.fits else (c.peak, c.time)
     return (not c.fits, *speed, c.chunks, ("never", "except_last", "always").index(c.checkpoint))
-
-
-def _best_per_kind(candidates: list[Candidate]) -> list[Candidate]:
-    best: dict[tuple, Candidate] = {}
-    for c in sorted(candidates, key=_rank):
-        best.setdefault((c.schedule, c.virtual_stages, c.checkpoint), c)
-    return list(best.values())
-
-
-def _candidates_table(candidates: list[Candidate], unplanned: list[str], cap: float, ideal: float,
-                      chosen: Candidate | None) -> str:
-    rows = [["->" if c is chosen else "", c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
-             c.checkpoint, c.chunks, " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak),
-             f"{c.bubble:.3f}", f"{c.time / ideal:.3f}", "fits" if c.fits else f"over by {_human(c.peak - cap)}"]
-            for c in sorted(candidates, key=_rank)]
-    return "\n".join([tabulate(rows, headers=["", "schedule", "checkpoint", "chunks", "peak per device", "max peak",
-                                              "bubble", "time (x ideal)", f"cap {_human(cap)}"], tablefmt="simple"),
-                      *(f"not weighed: {textwrap.shorten(u, 110)}" for u in unplanned)])
 
 
 def _ratio(measured: float, predicted: float) -> str:

@@ -94,13 +94,13 @@ class Plan:
         return [t for t in self.tensors.values() if 0 <= t.producer <= cut < max(t.consumers, default=-1)]
 
     def __str__(self) -> str:
-        def moved(infos: list[TensorInfo]) -> str:
+        def moved(names: tuple[str, ...]) -> str:  # the values that cross a cut: made by a stage, not graph inputs
+            infos = [self.tensors[n] for n in names if n in self.tensors and self.tensors[n].producer >= 0]
             return f"{len(infos)} / {human_bytes(sum(t.nbytes for t in infos))}"
 
         total = self.total_cost or 1.0
         rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%",
-                 moved([self.tensors[n] for n in s.inputs if n in self.tensors and self.tensors[n].producer >= 0]),
-                 moved([self.tensors[n] for n in s.outputs if n in self.tensors]),
+                 moved(s.inputs), moved(s.outputs),
                  _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-")] for s in self.stages]
         table = tabulate(rows, headers=["stage", "device", "nodes", "params", f"{self.balance} share",
                                         "in (n / bytes)", "out (n / bytes)", "receives"], tablefmt="simple")

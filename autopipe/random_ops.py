@@ -107,15 +107,8 @@ dropout2d = _dropout("dropout2d", feature=True)  # like torch, a 3-D input is ta
 dropout3d = _dropout("dropout3d", feature=True, batched_dim=5)
 
 
-def _like(factory: Callable) -> Callable:
-    """``torch.<factory>``, whose Python binding leaves no autograd node (``aten.randint_like`` leaves a broken one)."""
-    def fn(input, *args, generator=None, **kwargs):
-        return factory(input, *args, generator=generator, **kwargs)
-    fn.__name__ = fn.__qualname__ = factory.__name__
-    return fn
-
-
-rand_like, randn_like, randint_like = _like(torch.rand_like), _like(torch.randn_like), _like(torch.randint_like)
+# torch's Python bindings, as aten.randint_like leaves a broken autograd node
+rand_like, randn_like, randint_like = torch.rand_like, torch.randn_like, torch.randint_like
 
 
 def native_dropout(input, p, train=True, *, generator=None):
@@ -157,7 +150,6 @@ for _fn in (dropout, feature_dropout, alpha_dropout, feature_alpha_dropout):
 for _fn in (rand_like, randn_like, randint_like, native_dropout, scaled_dot_product_attention):
     _packet = getattr(aten, _fn.__name__)
     FUNCTIONS.update({getattr(_packet, o): (_fn, {}) for o in _packet.overloads() if "out" not in o})
-FUNCTIONS.update({getattr(torch, fn.__name__): (fn, {}) for fn in (rand_like, randn_like, randint_like)})
 
 
 def _attributes(*names: str) -> Callable[[nn.Module], dict[str, Any]]:
@@ -227,9 +219,11 @@ def _bind(targets: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[str,
     return None, None
 
 
-def resolve(packet: OpOverloadPacket, args: tuple, kwargs: dict) -> OpOverload | None:
-    """The overload a call of ``aten.<op>`` (no overload named) takes."""
-    return _bind(_overloads(packet, out=False), args, kwargs)[0]
+def resolve(target: Any, args: tuple, kwargs: dict) -> Any:
+    """The overload a call of ``aten.<op>`` (an fx trace names none) takes; any other target as it is."""
+    if isinstance(target, OpOverloadPacket):
+        return _bind(_overloads(target, out=False), args, kwargs)[0] or target
+    return target
 
 
 def bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
@@ -242,6 +236,14 @@ def bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
 def takes_generator(target: Any) -> bool:
     """A torch function or Tensor method (by name) whose aten op takes ``generator=``."""
     return any("generator" in signature_of(o).parameters for o in _overloads(target))
+
+
+def with_generator(target: Any, generator: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments with ``generator`` in place of the generator it passes (positionally where it does so)."""
+    names = list(signature_of(target).parameters) if isinstance(target, OpOverload) else []
+    if "generator" in names[:len(args)]:
+        return tuple(generator if name == "generator" else a for name, a in zip(names, args)), kwargs
+    return args, {**kwargs, "generator": generator}
 
 
 def call_with_generator(fn: Callable, generator: torch.Generator | None, /, *args, **kwargs):
@@ -282,9 +284,5 @@ class _RoutedKernels(_Routed, TorchDispatchMode):
             raise UnroutedRandomOp(
                 f"{func} draws random numbers inside {self.where} and takes no generator, so a recomputed forward "
                 f"would not replay it; set its dropout to 0 / call model.eval(), or use an op that takes a generator")
-        i = list(signature_of(target).parameters).index("generator")
-        if i < len(args):  # given positionally
-            args = (*args[:i], self.generator if args[i] is None else args[i], *args[i + 1:])
-        elif kwargs.get("generator") is None:
-            kwargs = {**kwargs, "generator": self.generator}
+        args, kwargs = with_generator(target, self.generator, args, kwargs)
         return target(*args, **kwargs)

@@ -1,29 +1,25 @@
-"""autopipe.verify: does the pipeline compute the user's model? One training step (loss, outputs, gradients, buffers).
-
-structure: the pipeline on a float64 copy against the plain model run by hand on the same micro-batches (GPipe's
-semantics), tolerance 1e-10. replay: in the model's dtype, checkpoint="always" against "never", bit for bit. A model
-that draws random numbers is compared in eval mode; one that cannot run in float64, in its own dtype with a float
-tolerance. Every run works on a deep copy: nothing of the caller's changes. Use a small config of the model.
-"""
+"""autopipe.verify: does the pipeline compute the user's model? One training step, on deep copies: structure (float64,
+against the plain model on the same micro-batches, tolerance 1e-10) and replay (checkpoint "always" = "never")."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
 import textwrap
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 
-from autopipe.compile import Options, resolve_devices
+from autopipe.compile import Options, _as_tuple, _positive_int, resolve_devices
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
 from autopipe.passes.trace import _register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
+from autopipe.runtime.pipeline import model_loss
 
 STRUCTURE_TOLERANCE = 1e-10          # float64: a correct pipeline is at ~1e-15
 OWN_DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -31,7 +27,6 @@ OWN_DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16:
 SHARED_GRAD_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 GRAD_FLOOR = 1e-3  # a gradient's difference is measured against at least GRAD_FLOOR x the model's largest gradient
 SEED = 0
-SHOWN_ROWS = 10
 DETERMINISTIC, RANDOM, IRREPRODUCIBLE = "deterministic", "random", "irreproducible"
 
 
@@ -52,11 +47,9 @@ class Row:
         return self.max_abs_ref < self.floor
 
     @property
-    def rel(self) -> float:
-        diff, scale = self.max_abs_diff, max(self.max_abs_ref, self.floor)
-        if not 0 < diff < math.inf:  # 0, nan, and inf (a shape mismatch) as they are
-            return diff
-        return diff / scale if scale > 0 else math.inf
+    def rel(self) -> float:  # a difference against a zero scale is infinite; 0 and NaN stay as they are
+        scale = max(self.max_abs_ref, self.floor)
+        return self.max_abs_diff / scale if scale > 0 else math.inf if self.max_abs_diff > 0 else self.max_abs_diff
 
     def within(self, tolerance: float) -> bool:
         return self.rel <= (tolerance if self.tolerance is None else self.tolerance)  # NaN is never within
@@ -102,8 +95,7 @@ class Check:
         lines += [f"  note: {n}" for n in self.notes]
         if self.error is not None:
             return "\n".join([*lines, "  the run raised: " + self.error.replace("\n", "\n    ")])
-        shown = SHOWN_ROWS // 2 if self.informational else SHOWN_ROWS
-        return "\n".join([*lines, textwrap.indent(_table(self.rows, self.tolerance, shown), "  ")])
+        return "\n".join([*lines, textwrap.indent(_table(self.rows, self.tolerance), "  ")])
 
 
 @dataclass
@@ -129,11 +121,6 @@ class VerifyReport:
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
 
-    @property
-    def failures(self) -> list[tuple[str, Row]]:
-        """(check name, row) for every row over its tolerance."""
-        return [(c.name, r) for c in self.checks for r in c.failures]
-
     def verdict(self) -> str:
         parts = []
         for c in self.checks:
@@ -143,28 +130,19 @@ class VerifyReport:
                 parts.append(f"{c.name} raised {c.error.splitlines()[0]}")
             elif not c.passed:
                 bad = sorted(c.failures, key=Row.worst, reverse=True)
-                more = f", +{len(bad) - 3} more" if len(bad) > 3 else ""
-                names = ", ".join(r.name for r in bad[:3])
-                parts.append(f"{c.name}: {len(bad)} over tolerance {c.bound()} ({names}{more})")
-            else:
+                names = ", ".join(r.name for r in bad[:3]) + (f", +{len(bad) - 3} more" if len(bad) > 3 else "")
+                parts.append(f"{c.name}: {len(bad)} over tolerance {c.bound()} ({names})")
+            else:  # the worst row held to the check's own bound (tied weights have theirs)
                 worst = max((r for r in c.rows if r.tolerance is None), key=Row.worst, default=None)
-                tied = max((r for r in c.rows if r.tolerance is not None), key=Row.worst, default=None)
                 bound = "bit for bit" if c.tolerance == 0 else f"<= {c.tolerance:.0e}"
                 parts.append(f"{c.name} {bound} (worst {_fmt(worst.rel) if worst else '-'})")
-                if tied is not None and tied.rel > 0:
-                    parts[-1] += f", tied weights <= {tied.tolerance:.0e} (worst {_fmt(tied.rel)})"
         return ("PASS: " if self.passed else "FAIL: ") + "; ".join(parts)
 
     def __str__(self) -> str:
-        devices = self.devices
-        where = f"{len(devices)} x {devices[0]}" if len(set(devices)) == 1 else ", ".join(devices)
-        lines = [f"autopipe.verify: {self.model} in {self.mode} mode ({_dtype_name(self.dtype)}), {len(devices)} "
-                 f"stages on {where} x {self.chunks} micro-batches, checkpoint={self.checkpoint!r}",
-                 f"loss: {self.loss}"]
-        lines += [f"note: {n}" for n in self.notes]
-        for check in self.checks:
-            lines += ["", str(check)]
-        return "\n".join([*lines, "", self.verdict()])
+        where = f"{len(self.devices)} x {self.devices[0]}" if len(set(self.devices)) == 1 else ", ".join(self.devices)
+        head = (f"autopipe.verify: {self.model} in {self.mode} mode ({_dtype_name(self.dtype)}), {len(self.devices)} "
+                f"stages on {where} x {self.chunks} micro-batches, checkpoint={self.checkpoint!r}\nloss: {self.loss}")
+        return "\n".join([head, *(f"note: {n}" for n in self.notes), *(f"\n{x}" for x in [*self.checks, self.verdict()])])
 
 
 def _fmt(x: float) -> str:
@@ -175,31 +153,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _table(rows: list[Row], tolerance: float | None, grad_rows: int) -> str:
-    """Loss and outputs, then the worst parameter gradients and buffers."""
+def _table(rows: list[Row], tolerance: float | None) -> str:
     shown, hidden = [], []
-    for kind, limit in (("loss", len(rows)), ("output", 5), ("grad", grad_rows), ("buffer", 5)):
+    for kind, limit in (("loss", 1), ("output", 5), ("grad", 10), ("buffer", 5)):  # the worst of each kind
         of_kind = sorted((r for r in rows if r.kind == kind), key=Row.worst, reverse=True)
         shown += of_kind[:limit]
         if len(of_kind) > limit:
             hidden.append(f"{len(of_kind) - limit} more {kind} rows, each <= {_fmt(of_kind[limit].rel)}")
-    body = [[r.kind, r.name, _fmt(r.max_abs_diff), _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
-             "" if tolerance is None else "ok" if r.within(tolerance) else "FAIL", r.note] for r in shown]
-    headers = ["", "name", "max|Δ|", "max|ref|", "max|Δ|/max|ref|", "", ""]
-    if not any(r.note for r in shown):
-        headers, body = headers[:-1], [b[:-1] for b in body]
-    text = tabulate(body, headers=headers, disable_numparse=True) + ("\n(" + "; ".join(hidden) + ")" if hidden else "")
-    floor = next((r.floor for r in shown if r.floored), None)
-    if floor is not None:  # a gradient zero in exact arithmetic (an attention key bias's) holds only rounding noise
-        text += (f"\n* below {GRAD_FLOOR:.0e} x the largest gradient: max|Δ| is divided by {_fmt(floor)} instead "
-                 f"(a gradient that is zero in exact arithmetic holds only rounding noise)")
+    body = [[r.kind, r.name + (f" ({r.note})" if r.note else ""), _fmt(r.max_abs_diff),
+             _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
+             "" if tolerance is None else "ok" if r.within(tolerance) else "FAIL"] for r in shown]
+    text = tabulate(body, headers=["", "name", "max|Δ|", "max|ref|", "max|Δ|/max|ref|", ""], disable_numparse=True)
+    text += "\n(" + "; ".join(hidden) + ")" if hidden else ""
+    if floor := next((r.floor for r in shown if r.floored), 0.0):  # a gradient zero in exact arithmetic holds noise
+        text += f"\n* below {GRAD_FLOOR:.0e} x the largest gradient (rounding noise): max|Δ| divided by {_fmt(floor)}"
     return text
 
 
 @dataclass
-class _Step:
-    """What one training step computed."""
-
+class _Step:  # what one training step computed
     outputs: list[tuple[str, torch.Tensor]]
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
@@ -209,7 +181,6 @@ class _Step:
 
 
 def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int) -> _Step:
-    """One seeded training step (forward, loss, backward) at ``threads`` intra-op threads."""
     torch.manual_seed(SEED)
     torch.set_num_threads(threads)
     output = forward()
@@ -221,19 +192,14 @@ def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable,
                  has_model_loss=_model_loss(output) is not None)
 
 
-def _leaves(obj: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in a (nested) output: tuples, lists, dicts, dataclasses, ModelOutput."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)]
-    if isinstance(obj, Mapping):
-        items = [(f".{k}", v) for k, v in obj.items()]
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        items = [(f".{f.name}", getattr(obj, f.name)) for f in fields(obj)]
-    elif isinstance(obj, (list, tuple)):
-        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
-    else:
-        return []
-    return [leaf for key, value in items for leaf in _leaves(value, prefix + key)]
+def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in a (nested) output, as the pipeline flattens and merges it."""
+    tree = _register_dataclasses(output)
+    try:
+        pairs = [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]
+    except ValueError:  # a pytree node registered without keys (diffusers' outputs): by position
+        pairs = [(f"output[{i}]", t) for i, t in enumerate(pytree.tree_leaves(tree))]
+    return [(name, t) for name, t in pairs if isinstance(t, torch.Tensor)]
 
 
 def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> Row:
@@ -244,10 +210,9 @@ def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor 
         note = f"no {'gradient' if kind == 'grad' else 'value'} in the {'run' if got is None else 'reference'}"
         got, want = (torch.zeros_like(want), want) if got is None else (got, torch.zeros_like(got))
     if got.shape != want.shape:
-        return Row(kind, name, math.inf, math.inf, note=f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
-    got, want = got.detach().cpu(), want.detach().cpu()
-    if got.dtype != want.dtype or not (want.is_floating_point() or want.is_complex()):
-        got, want = got.double(), want.double()
+        return Row(kind, name, math.inf, 0.0, note=f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    exact = torch.complex128 if want.is_complex() else torch.float64
+    got, want = got.detach().cpu().to(exact), want.detach().cpu().to(exact)
     diff = torch.where((got == want) | (got.isnan() & want.isnan()), 0.0, (got - want).abs())  # max() keeps a NaN
     finite = want[want.isfinite()].abs()
     return Row(kind, name, diff.max().item() if diff.numel() else 0.0, finite.max().item() if finite.numel() else 0.0,
@@ -255,14 +220,10 @@ def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor 
 
 
 def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_tolerance: float | None = None) -> list[Row]:
-    """Rows for the loss, every output, every parameter's gradient and (with ``buffers``) every buffer;
-    ``shared_tolerance`` bounds the gradients of parameters several stages hold (tied weights)."""
+    """Rows for the loss, outputs, gradients (``shared_tolerance``: of tied weights) and (``buffers``) buffers."""
+    got = dict(run.outputs)  # an output the run lacks compares with zeros
     rows = [_compare("loss", "loss", run.loss, ref.loss)]
-    got, want = dict(run.outputs), dict(ref.outputs)
-    if list(got) != list(want):
-        rows.append(Row("output", "structure", math.inf, math.inf, note=f"shape of the output differs: missing "
-                        f"{sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}"))
-    rows += [_compare("output", name, got[name], t) for name, t in ref.outputs if name in got]
+    rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs]
     shared = {**ref.shared, **run.shared}
     for name, t in ref.grads.items():
         rows.append(row := _compare("grad", name, run.grads.get(name), t))
@@ -270,61 +231,48 @@ def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_toleranc
             row.tolerance = shared_tolerance
             held = f"held by stages {', '.join(map(str, shared[name]))} (tied): bound {shared_tolerance:.0e}"
             row.note = f"{row.note}; {held}" if row.note else held
-    grads = [r for r in rows if r.kind == "grad" and math.isfinite(r.max_abs_ref)]
+    grads = [r for r in rows if r.kind == "grad"]
     for r in grads:
         r.floor = GRAD_FLOOR * max(g.max_abs_ref for g in grads)
     if buffers:
-        rows += [_compare("buffer", n, run.buffers[n], t) for n, t in ref.buffers.items() if n in run.buffers]
+        rows += [_compare("buffer", n, run.buffers.get(n), t) for n, t in ref.buffers.items()]
     return rows
 
 
 def _model_loss(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else None
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+    with contextlib.suppress(TypeError):  # else None: no scalar loss of the model's own
+        return model_loss(output, None)
 
 
 def default_loss(output: Any) -> torch.Tensor:
     """The model's own loss (a scalar output, ``.loss``, ``["loss"]``), else ``sum(leaf * R_k)`` over the floating
     output leaves with fixed random projections ``R_k`` (unlike a sum of squares, not flattened by a LayerNorm)."""
-    loss = _model_loss(output)
-    if loss is not None:
+    if (loss := _model_loss(output)) is not None:
         return loss
     leaves = [t for _, t in _leaves(output) if t.is_floating_point()]
     if not leaves:
-        raise TypeError(f"the model's output ({type(output).__name__}) holds no floating tensor to take a loss of; "
-                        f"pass loss_fn=")
+        raise TypeError(f"the model's output ({type(output).__name__}) holds no floating tensor: pass loss_fn=")
     return sum((t * torch.randn(t.shape, generator=torch.Generator().manual_seed(1_000_003 + k), dtype=torch.float64)
                 .to(t.device, t.dtype)).sum() for k, t in enumerate(leaves))
 
 
-def _copy(model: torch.nn.Module, dtype: torch.dtype | None, mode: bool | None = None) -> torch.nn.Module:
-    """A deep copy with no gradients, cast to ``dtype`` (floating parameters and buffers), in ``mode``."""
+def _copy(model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, mode: bool | None = None):
+    """A deep copy of the model with no gradients, in ``mode``, and detached inputs; floating tensors in ``dtype``."""
     try:
         twin = copy.deepcopy(model)
     except Exception as e:
         raise TypeError(f"autopipe.verify works on deep copies of the model, and copy.deepcopy({type(model).__name__}) "
                         f"failed: {type(e).__name__}: {e}") from e
-    for p in twin.parameters():
-        p.grad = None
-    if dtype is not None:
-        twin.to(dtype)
-    return twin if mode is None else twin.train(mode)
-
-
-def _cast(inputs: Any, dtype: torch.dtype | None) -> Any:
-    """Detached inputs, floating tensors in ``dtype``."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.detach().to(dtype) if dtype and t.is_floating_point() else t.detach(), inputs)
+    twin.zero_grad()
+    twin = twin.to(dtype) if dtype else twin
+    cast = lambda t: t.detach().to(dtype) if dtype and t.is_floating_point() else t.detach()
+    return twin if mode is None else twin.train(mode), pytree.tree_map_only(torch.Tensor, cast, inputs)
 
 
 def _randomness(model: torch.nn.Module, args, kwargs, dtype: torch.dtype | None = None, mode: bool | None = None):
-    """Three forwards of a copy on the same input, seeds 1, 1, 2 (buffers reset: running statistics are state the
-    pipeline keeps too): DETERMINISTIC all equal; RANDOM (dropout) equal under one seed only; IRREPRODUCIBLE not
-    even that (a Python counter, the model's own generator: state a traced pipeline cannot follow)."""
-    twin = _copy(model, dtype, mode)
-    args, kwargs = _cast((args, kwargs), dtype)
+    """Three forwards of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout)
+    equal under one seed only; IRREPRODUCIBLE not even that (a Python counter, the model's own generator)."""
+    twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
     results = []
     with preserved_global_state(), torch.no_grad():
@@ -334,8 +282,7 @@ def _randomness(model: torch.nn.Module, args, kwargs, dtype: torch.dtype | None 
                 buffer.copy_(before)
             torch.manual_seed(seed)
             results.append([t for _, t in _leaves(twin(*args, **kwargs))])
-    same = [len(r) == len(results[0]) and all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0]))
-            for r in results[1:]]
+    same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
     return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] else RANDOM
 
 
@@ -346,8 +293,7 @@ def _error_text(e: BaseException) -> str:
 
 
 def _check(check: Check, run: Callable[[], _Step], ref: Callable[[], _Step], **compare) -> Check:
-    """``check`` with the rows of ``run()`` against ``ref()``, or the error they raised: that is the finding."""
-    try:
+    try:  # the rows of run() against ref(), or the error they raised: that is the finding
         check.rows = _compare_steps(run(), ref(), **compare)
     except Exception as e:
         check.error = _error_text(e)
@@ -360,25 +306,18 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
     """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against
     the plain model. ``devices=N``: N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default:
     :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``. ``print(report)`` shows the findings."""
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise ValueError(f"devices must be at least 1, got {devices}")
-        devices = ["cpu"] * devices
-    devices = [str(d) for d in resolve_devices(devices)]
+    devices = [str(d) for d in resolve_devices(["cpu"] * devices if _positive_int(devices) else devices)]
     Options.make(devices, chunks=chunks, checkpoint=checkpoint)  # a bad chunks or checkpoint, named now
-    args = () if example_inputs is None else example_inputs
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     with preserved_global_state(), torch.enable_grad():  # the caller's RNG, grad mode and thread count stay
-        return _verify(model, args, dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
+        return _verify(model, _as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint,
+                       loss_fn, compile_kwargs)
 
 
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
-    floating = [t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-    own = floating[0] if floating else torch.get_default_dtype()
+    own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()),
+               torch.get_default_dtype())
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
     batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
-    if not batch:
-        raise ValueError("no tensor argument with a batch dimension (dim 0) to split into micro-batches")
     sizes = micro_batch_sizes(batch, chunks)
 
     def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: concatenated, a 0-dim loss as the weighted mean
@@ -390,8 +329,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     @functools.cache
     def run(dtype, how: str, mode: bool | None = None, threads: int | None = None) -> _Step:
         """One step of a copy: ``how`` is "whole" (the plain model), "loop" (by micro-batch) or a checkpoint mode."""
-        twin, loss = _copy(model, dtype, mode), loss_fn or default_loss
-        a, k = _cast((args, kwargs), dtype)
+        (twin, (a, k)), loss = _copy(model, (args, kwargs), dtype, mode), loss_fn or default_loss
         if how in ("whole", "loop"):
             pieces = [(a, k)] if how == "whole" else split_target((a, k), sizes)
             return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
@@ -399,8 +337,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, **options)
         try:
             step = _step(twin, lambda: pipe(*a, **k), loss, caller_threads)
-            # the plan's tied weights, under the names named_parameters() gives them
-            canonical = {id(p): n for n, p in twin.named_parameters()}
+            canonical = {id(p): n for n, p in twin.named_parameters()}  # tied weights under these names
             every = dict(twin.named_parameters(remove_duplicate=False))
             step.shared = {canonical[id(every[n])]: tuple(s) for n, s in pipe.plan.shared_params.items() if n in every}
             return step
@@ -408,18 +345,15 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             pipe.close()
 
     reference_own = run(own, "loop", threads=1)  # the plain model must run: if not, the caller's error is raised
-    n_floating = sum(t.is_floating_point() for _, t in reference_own.outputs)
     report = VerifyReport(type(model).__name__, devices, chunks, checkpoint, mode_name, own, (
         f"loss_fn={getattr(loss_fn, '__qualname__', repr(loss_fn))}" if loss_fn is not None else
         "the model's own loss (its scalar output or .loss)" if reference_own.has_model_loss else
-        f"sum(output * fixed random projection) over {n_floating} floating output tensor(s)"))
-    if len(sizes) < chunks:
-        report.notes.append(f"batch {batch} < chunks={chunks}: {len(sizes)} micro-batches of one row")
+        "sum(output * fixed random projection) over the floating output tensors"))
     loop = f"the plain model by hand on the same {len(sizes)} micro-batches {tuple(sizes)}"
 
     # structure: the pipeline against the plain model, in float64 or else in the model's own dtype
-    own_tolerance = OWN_DTYPE_TOLERANCE.get(own, 1e-4)
-    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None), (own, own_tolerance, 1)):
+    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None),
+                                      (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
         try:
             randomness = _randomness(model, args, kwargs, dtype)
             compare = training if randomness != RANDOM else False if (
@@ -432,31 +366,26 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             report.notes.append(f"the model does not run in float64 ({_error_text(e).splitlines()[0]}): the structure "
                                 f"part runs in {_dtype_name(own)}, at one intra-op thread, with a float tolerance")
     if randomness == IRREPRODUCIBLE:
-        report.notes.append(f"the model's forward is not reproducible in {mode_name} mode (same input and seed, "
-                            f"different outputs): it reads state a traced pipeline cannot follow (a Python counter, "
-                            f"its own torch.Generator, ...): expect differences")
+        report.notes.append(f"the forward is not reproducible in {mode_name} mode (same input and seed, other outputs):"
+                            f" it reads state a pipeline cannot follow (a Python counter, its own torch.Generator)")
     if randomness == RANDOM:
         part = "is skipped (random in eval mode too)" if compare is None else "compares in eval mode (dropout off)"
-        report.notes.append(f"the model draws random numbers in {mode_name} mode, the pipeline its own per (stage, "
-                            f"micro-batch): the structure part {part}, the replay part the pipeline with itself "
-                            f"in {mode_name} mode, bit for bit")
+        report.notes.append(f"the model draws random numbers in {mode_name} mode, the pipeline its own per stage and "
+                            f"micro-batch: the structure part {part}; replay compares the pipeline with itself")
     if compare is None:
         report.structure.append(Check("structure", "-", "-", None, notes=["skipped: random in eval mode too"]))
     else:
-        where = f"{'train' if compare else 'eval'} mode{' (dropout off)' if randomness == RANDOM else ''}"
-        where += f", {_dtype_name(dtype)}"
+        name = _dtype_name(dtype)
+        where = f"{'train' if compare else 'eval'} mode{' (dropout off)' if randomness == RANDOM else ''}, {name}"
+        deferred = bool(compile_kwargs.get("deferred_batch_norm"))  # BatchNorm statistics of the whole mini-batch
         structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}"
-                          f"{', 1 thread per worker' if threads else ''}", f"{loop}, {where}, 1 thread", tolerance)
-        deferred = bool(compile_kwargs.get("deferred_batch_norm"))
-        if deferred:
-            structure.notes.append("deferred_batch_norm=True: BatchNorm statistics span the whole mini-batch, unlike "
-                                   "the micro-batch loop's: buffers not compared")
+                          f"{', 1 thread per worker' if threads else ''}", f"{loop}, {where}, 1 thread", tolerance,
+                          notes=["deferred_batch_norm=True: buffers not compared"] if deferred else [])
         report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference,
                                        buffers=not deferred))
         if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
-            info = _check(Check("micro-batching", f"{loop}, {_dtype_name(dtype)}", f"the plain model on the whole "
-                                f"batch of {batch}, {_dtype_name(dtype)}", None),
-                          lambda: reference, lambda: run(dtype, "whole", threads=1))
+            info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
+                                f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))
             if any(r.worst() > tolerance for r in info.rows):
                 info.notes.append("this model mixes the rows of a batch (BatchNorm in training mode, a mean loss over "
                                   "tokens, ...): the structure part compares with GPipe's micro-batch loop")
@@ -464,16 +393,8 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
 
     # replay: every micro-batch re-materialised against none, in the model's own dtype, bit for bit
     one = f"{_dtype_name(own)}, 1 thread per worker, seed {SEED}"
-    replay = _check(Check("replay", f"pipeline checkpoint='always' (every micro-batch re-materialised), {mode_name} "
-                          f"mode, {one}", f"pipeline checkpoint='never' (nothing re-materialised), {one}", 0.0),
-                    lambda: run(own, "always", threads=1), lambda: run(own, "never", threads=1),
-                    shared_tolerance=SHARED_GRAD_TOLERANCE.get(own, 1e-5))
-    if any(r.tolerance is not None and r.rel > 0 for r in replay.rows):
-        replay.notes.append("tied weights: a parameter several stages hold gets its gradient summed from several "
-                            "workers in thread-timing order, so two runs differ in its last bits: a float bound")
-    report.replay.append(replay)
-    if randomness != RANDOM and replay.error is None:  # for information: the same math in another order
-        report.replay.append(_check(Check("noise floor", f"pipeline checkpoint='never', {one}",
-                                          f"{loop}, {_dtype_name(own)}, 1 thread", None),
-                                    lambda: run(own, "never", threads=1), lambda: reference_own))
+    replay = Check("replay", f"pipeline checkpoint='always' (every micro-batch re-materialised), {mode_name} mode, "
+                   f"{one}", f"pipeline checkpoint='never' (nothing re-materialised), {one}", 0.0)
+    report.replay.append(_check(replay, lambda: run(own, "always", threads=1), lambda: run(own, "never", threads=1),
+                                shared_tolerance=SHARED_GRAD_TOLERANCE.get(own, 1e-5)))
     return report

@@ -167,7 +167,7 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
         return ("wrap", node.target, {}) if random_ops.module_draws(module) else None
     if node.op not in ("call_function", "call_method"):
         return None
-    target = _overload(node)
+    target = random_ops.resolve(node.target, node.args, node.kwargs)
     if isinstance(target, types.FunctionType) and not (target.__module__ or "").startswith(("torch", "autopipe")):
         return "wrap", target, {}  # a user's function fx did not look into (fx.wrap)
     if isinstance(target, HigherOrderOperator):  # export's no_grad / autocast regions: subgraphs
@@ -204,11 +204,7 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
     kwargs = dict(fx.node.map_arg(node.kwargs, env.__getitem__))
     op = node.op if how == "kwarg" else "call_function"
     if how == "kwarg":  # the op takes generator=; where a call passes its own, the task's replaces it
-        names = [a.name for a in target._schema.arguments] if isinstance(target, OpOverload) else []
-        if "generator" in names[:len(args)]:
-            args = tuple(generator if name == "generator" else a for name, a in zip(names, args))
-        else:
-            kwargs["generator"] = generator
+        args, kwargs = random_ops.with_generator(target, generator, args, kwargs)
     elif how == "wrap":
         if node.op == "call_module":
             callee = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
@@ -224,8 +220,8 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
     else:
         if node.op == "call_module":  # the module's input is the function's only argument
             args, kwargs = (args[0] if args else kwargs["input"],), {}
-        parameters = random_ops.signature_of(target).parameters
-        kwargs = {("training" if k == "train" and "train" not in parameters else k): v for k, v in kwargs.items()}
+        parameters = getattr(random_ops.signature_of(target), "parameters", {})  # aten's train, F's training
+        kwargs = {("training" if k == "train" and "training" in parameters else k): v for k, v in kwargs.items()}
         kwargs.update(constants, generator=generator)
     new = graph.create_node(op, target, args, kwargs, name=node.name)
     new.meta = {k: v for k, v in node.meta.items() if k != "is_wrapped"}  # fx.wrap's mark is for the old target
@@ -264,19 +260,12 @@ _VIEW_NAMES = frozenset({
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index"})
 
 
-def _overload(node: fx.Node) -> Any:
-    """A node's target, with ``torch.ops.aten.<op>`` (an fx trace of it names no overload) resolved."""
-    if isinstance(node.target, torch._ops.OpOverloadPacket):
-        return random_ops.resolve(node.target, node.args, node.kwargs) or node.target
-    return node.target
-
-
 def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tuple[fx.Node | None, list[fx.Node]]:
     """(the argument whose storage ``node``'s result may share, the arguments it writes in place)."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return None, []
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    target = _overload(node)
+    target = random_ops.resolve(node.target, node.args, node.kwargs)
     aliased, written = [], []
     if node.op == "call_module":
         if getattr(module_of(target), "inplace", False) is True:

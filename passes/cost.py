@@ -1,13 +1,11 @@
 """Cost pass: per-node FLOPs, parameter bytes and output bytes (and seconds, if asked).
 
 FLOPs come from torch.utils.flop_counter's shape formulas where the op is known (no dispatch), else from
-FlopCounterMode run on fake tensors, so a model on meta costs no memory. Attention has its own formula
-(sdpa_flop_count's; FlopCounterMode counts 0 for it on some CPU builds). Ops it does not count (elementwise,
-norms) weigh one FLOP per output element, so memory-bound work still counts when balancing.
-"""
+FlopCounterMode on fake tensors (a model on meta costs no memory); attention has its own formula (FlopCounterMode
+counts 0 for it on some CPU builds). Uncounted ops (elementwise, norms) weigh one FLOP per output element."""
 from __future__ import annotations
 
-import itertools
+import collections
 import math
 import operator
 import statistics
@@ -49,9 +47,8 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
     """Cost every call node of traced; time them on measure_inputs if given."""
     gm = traced.graph_module
     first: dict[int, str] = {}  # tied weights are one tensor, named by its first name
-    canonical = {name: first.setdefault(id(t), name)
-                 for name, t in itertools.chain(gm.named_parameters(remove_duplicate=False),
-                                                gm.named_buffers(remove_duplicate=False))}
+    tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    canonical = {name: first.setdefault(id(t), name) for name, t in tensors}
     tensor_bytes: dict[str, int] = {}
     params: dict[fx.Node, tuple[str, ...]] = {}
     for node in gm.graph.nodes:
@@ -61,26 +58,22 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
             names = []
             if node.op == "call_module":
                 module = gm.get_submodule(node.target)
-                for sub, t in itertools.chain(module.named_parameters(remove_duplicate=False),
-                                              module.named_buffers(remove_duplicate=False)):
-                    names.append(canonical.get(f"{node.target}.{sub}", f"{node.target}.{sub}"))
+                for name, t in [*module.named_parameters(node.target, remove_duplicate=False),
+                                *module.named_buffers(node.target, remove_duplicate=False)]:
+                    names.append(canonical.get(name, name))
                     tensor_bytes[names[-1]] = t.nbytes
             names += [canonical.get(a.target, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
             params[node] = tuple(dict.fromkeys(name for name in names if name in tensor_bytes))
-    calls = list(params)
-    flops = {n: _formula_flops(gm, n) for n in calls}
-    with scalar_buffers_kept(gm):
-        flops.update(_measured_flops([n for n in calls if flops[n] is None], gm))
-    seconds: dict[str, list[float]] = {}
+    flops = {n: _formula_flops(gm, n) for n in params}
+    flops.update(_measured_flops([n for n in params if flops[n] is None], gm))
+    seconds: dict[str, list[float]] = collections.defaultdict(list)
     if measure_inputs is not None:
         with scalar_buffers_kept(gm, every_buffer=True), torch.no_grad():  # running stats must not move
             for _ in range(3):
                 _Timer(gm, seconds).run(*measure_inputs)
-    costs = {}
-    for n in calls:
-        median = statistics.median(seconds[n.name]) if n.name in seconds else None
-        costs[n.name] = NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")),
-                                 params=params[n], seconds=median)
+    costs = {n.name: NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")),
+                              params=params[n], seconds=statistics.median(seconds[n.name]) if seconds else None)
+             for n in params}
     return CostedGraph(traced=traced, costs=costs, tensor_bytes=tensor_bytes)
 
 
@@ -106,68 +99,51 @@ _TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.fu
 def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
     """Forward FLOPs from shapes, as torch.utils.flop_counter counts them; None: count by running it."""
     out, target = node.meta.get("val"), node.target
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    vals, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     if node.op == "call_module":
         module = gm.get_submodule(target)
-        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-            transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
-            return 2 * _numel(vals[0] if transposed else out) * math.prod(module.weight.shape[1:])
-        return 0 if isinstance(module, _CHEAP_MODULES) else None
-    if target in _ATTENTION:
-        kwargs = {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
-        q, k, v = (vals + [kwargs.get(name) for name in ("query", "key", "value")])[:3]
-        return _attention_flops(q.shape, k.shape, v.shape)
-    if target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
-        weight = vals[1] if len(vals) > 1 else node.kwargs["weight"].meta["val"]
-        return 2 * _numel(vals[0] if target in _CONV_TRANSPOSE else out) * math.prod(weight.shape[1:])
-    if target in _MATMULS:
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            return 0 if isinstance(module, _CHEAP_MODULES) else None
+        weight, transposed = module.weight, isinstance(module, nn.modules.conv._ConvTransposeNd)
+    elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
+        weight = vals[1] if len(vals) > 1 else kwargs["weight"]
+        transposed = target in _CONV_TRANSPOSE
+    elif target in _ATTENTION:  # QK^T and PV, 2*L*S*E each per batch and head, as sdpa_flop_count
+        q, k, v = [*vals, *(kwargs.get(name) for name in ("query", "key", "value"))][:3]
+        return 2 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    elif target in _MATMULS:
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         ok = len(tensors) >= 2 and tensors[-2].dim() >= 1
         return 2 * _numel(out) * tensors[-2].shape[-1] if ok else None
-    if isinstance(target, torch._ops.OpOverload):
+    elif isinstance(target, torch._ops.OpOverload):
         return None if target.overloadpacket in flop_registry else 0
-    user_function = node.op == "call_function" and getattr(target, "__module__", "") not in _TORCH_MODULES
-    return None if user_function or target is torch.einsum else 0
-
-
-def _attention_flops(q_shape, k_shape, v_shape) -> int:
-    """QK^T and PV, 2*L*S*E each per batch and head (torch.utils.flop_counter.sdpa_flop_count)."""
-    return 2 * math.prod(q_shape[:-2]) * q_shape[-2] * k_shape[-2] * (q_shape[-1] + v_shape[-1])
+    else:
+        user_function = node.op == "call_function" and getattr(target, "__module__", "") not in _TORCH_MODULES
+        return None if user_function or target is torch.einsum else 0
+    return 2 * _numel(vals[0] if transposed else out) * math.prod(weight.shape[1:])
 
 
 def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes: dict[fx.Node, Any] = {}
-
-    def fake(n: fx.Node):
-        if n not in fakes:
-            fakes[n] = tree_map_only(torch.Tensor, mode.from_tensor, n.meta.get("val"))
-        return fakes[n]
-
+    runner = fx.Interpreter(gm)
+    fake = lambda n: tree_map_only(torch.Tensor, mode.from_tensor, n.meta.get("val"))  # from_tensor memoises
     counts = {}
-    with mode:
+    with mode, scalar_buffers_kept(gm):
         for node in nodes:
             counter = FlopCounterMode(display=False)
             try:  # grad mode too: export's wrap_with_set_grad_enabled leaves it off when its body raises
                 with counter, torch.set_grad_enabled(torch.is_grad_enabled()):
-                    _run_node(gm, node, fx.node.map_arg(node.args, fake), fx.node.map_arg(node.kwargs, fake))
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
+                    getattr(runner, node.op)(node.target, args, kwargs)
             except Exception:
                 pass  # counted as one FLOP per output element
             counts[node] = counter.get_total_flops()
     return counts
 
 
-def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs):
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return node.target(*args, **kwargs)
-
-
 class _Timer(fx.Interpreter):
-    """Runs the graph eagerly on real inputs, adding each call node's wall time to seconds (balance="time")."""
+    """Runs the graph eagerly on real inputs, adding each node's wall time to seconds (balance="time")."""
 
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, list[float]]):
         super().__init__(gm)
@@ -176,8 +152,7 @@ class _Timer(fx.Interpreter):
     def run_node(self, n: fx.Node):
         start = time.perf_counter()
         result = super().run_node(n)
-        if n.op in ("call_function", "call_method", "call_module"):
-            self.seconds.setdefault(n.name, []).append(time.perf_counter() - start)
+        self.seconds[n.name].append(time.perf_counter() - start)
         return result
 
 

@@ -48,10 +48,6 @@ class NoFeasiblePlan(ValueError):
     """No split fits the memory cap; the message names the most memory-balanced split's stages over it."""
 
 
-def solve_cuts(problem: CutProblem) -> CutSolution:
-    chain = _Chain(problem)
-    optimum = _least_bottleneck(chain)
-    return chain.solution(_fewest_crossings(chain, (1.0 + problem.tolerance) * optimum), optimum)
 
 
 class _Chain:
@@ -64,8 +60,20 @@ class _Chain:
         self.live_tensors, self.live_bytes = _live_across_positions(problem, n)
         self.opening = prefix - self.comm * self.live_bytes
         self.closing = prefix + self.comm * self.live_bytes
-        self.memory = _Memory(problem, self.live_bytes, n)
-        self.memory_end = np.full(n, n) if self.cap is None else self.memory.reach(self.cap)
+        own = np.zeros(n) if problem.node_memory is None else np.array(problem.node_memory, dtype=float)
+        spans: dict[tuple[int, ...], float] = {}
+        for size, nodes in problem.shared_memory or ():
+            members = tuple(sorted(set(int(i) for i in nodes)))
+            if len(members) == 1:
+                own[members[0]] += size
+            elif members:
+                spans[members] = spans.get(members, 0.0) + float(size)
+        # per shared tensor, the first member at or after each position: stage [a, b) touches it iff that is < b
+        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))])
+                       for members, size in spans.items()]
+        self.own = np.concatenate(([0.0], np.cumsum(own)))
+        self.activation = float(problem.activation_multiplier) * self.live_bytes
+        self.memory_end = np.full(n, n) if self.cap is None else self.reach(self.cap)
         self.envelope = np.maximum.accumulate(self.memory_end)
         # cost_floor(a, b) <= cost(a, b), rising in b and falling in a, so a greedy solves it exactly
         self.floor_close = np.minimum.accumulate(self.closing[::-1])[::-1]
@@ -77,6 +85,17 @@ class _Chain:
 
     def cost_floor(self, a, b):
         return self.floor_close[b] - self.floor_open[a]
+
+    def held(self, a, b):
+        total = self.own[b] - self.own[a] + self.activation[a]
+        for size, next_member in self.shared:
+            total = total + size * (next_member[a] < b)
+        return total
+
+    def reach(self, cap: float) -> np.ndarray:
+        """For each start a: the last end b with held(a, b) <= cap (a when node a alone does not fit)."""
+        starts = np.arange(self.n)
+        return _last_ok(lambda b: self.held(starts, b) <= cap, starts + 1, self.n)
 
     def bands(self, bound: float) -> tuple[list[int], list[int], float]:
         """[low[s], high[s]]: where cut s may be when every stage costs <= bound, by greedy on the relaxation
@@ -105,9 +124,7 @@ class _Chain:
         tensors, data, cuts = self.live_tensors, self.live_bytes, self.stages - 1
         scale = cuts * int(data.max()) + 1
         worst = cuts * (int(tensors.max()) * scale + int(data.max()))
-        if worst < 2**61:
-            return tensors * scale + data, 2**62
-        return np.array([int(t) * scale + int(d) for t, d in zip(tensors, data)], dtype=object), 2 * worst + 1
+        return tensors.astype(np.int64 if worst < 2**61 else object) * scale + data, 2 * worst + 1
 
     def solution(self, starts: Sequence[int], optimum: float) -> CutSolution:
         first = np.asarray(starts)
@@ -118,7 +135,7 @@ class _Chain:
             bottleneck=float(costs.max()), optimum=float(optimum),
             cut_tensors=tuple(int(t) for t in self.live_tensors[first[1:]]),
             cut_bytes=tuple(int(d) for d in self.live_bytes[first[1:]]),
-            stage_memory=tuple(float(m) for m in self.memory.held(first, last)))
+            stage_memory=tuple(float(m) for m in self.held(first, last)))
 
 
 def _validated_size(problem: CutProblem) -> int:
@@ -170,37 +187,6 @@ def _live_across_positions(problem: CutProblem, n: int) -> tuple[np.ndarray, np.
     return np.cumsum(tensors)[: n + 1], np.cumsum(data)[: n + 1]
 
 
-class _Memory:
-    """What stage [a, b) holds: its nodes' memory, each shared tensor it touches, its activations."""
-
-    def __init__(self, problem: CutProblem, live_bytes: np.ndarray, n: int):
-        own = np.zeros(n) if problem.node_memory is None else np.array(problem.node_memory, dtype=float)
-        spans: dict[tuple[int, ...], float] = {}
-        for size, nodes in problem.shared_memory or ():
-            members = tuple(sorted(set(int(i) for i in nodes)))
-            if len(members) == 1:
-                own[members[0]] += size
-            elif members:
-                spans[members] = spans.get(members, 0.0) + float(size)
-        # per shared tensor, the first member at or after each position: stage [a, b) touches it iff that is < b
-        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))])
-                       for members, size in spans.items()]
-        self.prefix = np.concatenate(([0.0], np.cumsum(own)))
-        self.activation = float(problem.activation_multiplier) * live_bytes
-        self.n = n
-
-    def held(self, a, b):
-        total = self.prefix[b] - self.prefix[a] + self.activation[a]
-        for size, next_member in self.shared:
-            total = total + size * (next_member[a] < b)
-        return total
-
-    def reach(self, cap: float) -> np.ndarray:
-        """For each start a: the last end b with held(a, b) <= cap (a when node a alone does not fit)."""
-        starts = np.arange(self.n)
-        return _last_ok(lambda b: self.held(starts, b) <= cap, starts + 1, self.n)
-
-
 def _last_ok(ok, lo, hi) -> np.ndarray:
     """Per element: the last x in [lo, hi] with ok(x), lo - 1 if none; ok holds on a prefix. Vectorized bisection."""
     yes, no = np.broadcast_arrays(np.asarray(lo) - 1, np.asarray(hi) + 1)
@@ -228,8 +214,11 @@ def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[
     return top, plan
 
 
-def _least_bottleneck(chain: _Chain) -> float:
-    """B*: the relaxation's optimum, exact when splitting a stage never costs or holds more, else a start."""
+def solve_cuts(problem: CutProblem) -> CutSolution:
+    """B*: the relaxation's optimum, exact when splitting a stage never costs or holds more, else a start for
+    the exact search; then the fewest crossings within (1 + tolerance) B*."""
+    chain = _Chain(problem)
+
     def relaxed(bound: float):
         _, high, widen = chain.bands(bound)
         if high[-1] < chain.n:
@@ -247,12 +236,12 @@ def _least_bottleneck(chain: _Chain) -> float:
         return max(chain.solution(plan, 0.0).stage_costs), plan
 
     optimum, _ = _smallest_bound(relaxed, 0.0, chain.ceiling)
-    splitting_is_free = chain.comm == 0 and (chain.cap is None or not chain.memory.activation.any())
+    splitting_is_free = chain.comm == 0 and (chain.cap is None or not chain.activation.any())
     if not (splitting_is_free or math.isinf(optimum)):
         optimum, _ = _smallest_bound(exact, optimum, chain.ceiling)
     if math.isinf(optimum):
         _raise_no_fit(chain)
-    return optimum
+    return chain.solution(_fewest_crossings(chain, (1.0 + problem.tolerance) * optimum), optimum)
 
 
 def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.inf):
@@ -365,16 +354,16 @@ def _cover_min_ranked(values, first, last, size: int, rank, need, infinity) -> n
 
 def _raise_no_fit(chain: _Chain):
     """NoFeasiblePlan naming the over-cap stages of the most memory-balanced plan: the same search on memory."""
-    n, k, memory, cap = chain.n, chain.stages, chain.memory, chain.cap
+    n, k, cap = chain.n, chain.stages, chain.cap
     low, high = list(range(k)) + [n], [0] + [n - k + s for s in range(1, k + 1)]
 
     def probe(limit: float):
-        end = memory.reach(limit)
+        end = chain.reach(limit)
         layers, _ = _layers(chain, low, high, end, chain.ceiling)
         if not layers[k][n]:
             starts = np.flatnonzero(np.logical_or.reduce(layers[:k])[:n] & (end < n))
-            return float(memory.held(starts, end[starts] + 1).min(initial=math.inf)), None
-        plan = _trace_back(n, low, high, _admissible(chain, layers, end, chain.ceiling), memory.held)
+            return float(chain.held(starts, end[starts] + 1).min(initial=math.inf)), None
+        plan = _trace_back(n, low, high, _admissible(chain, layers, end, chain.ceiling), chain.held)
         return float(max(chain.solution(plan, 0.0).stage_memory)), plan
 
     least_cap, plan = _smallest_bound(probe, 0.0, math.inf)

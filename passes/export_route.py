@@ -1,10 +1,7 @@
-"""The torch.export route of the trace pass: non-strict export with one dynamic batch dimension, unlifted back to
-a graph whose get_attrs are the model's own parameters and buffers, in trace.py's flat calling convention.
-
-The graph is captured in the model's current train/eval mode. A ``use_cache`` the caller did not pass is False
-(a KV cache is useless in training). Export's checks of the example (asserts, range constraints, its _guards_fn)
-are dropped: they would pin tensors across cuts. The batch reaches later nodes as ``aten.sym_size.int`` nodes.
-"""
+"""The torch.export route of the trace pass: non-strict export with one dynamic batch dimension, unlifted to a
+graph of the model's own parameters and buffers in trace.py's flat calling convention, in the model's train/eval
+mode. An unpassed ``use_cache`` is False (no KV cache in training). Export's checks of the example (asserts, range
+constraints, _guards_fn) are dropped: they would pin tensors across cuts. Later nodes get the batch by sym_size."""
 from __future__ import annotations
 
 import inspect
@@ -17,9 +14,6 @@ import torch.fx as fx
 from torch import nn
 
 from .trace import TracedModel, _specialises_batch, flat_root, user_frame
-
-__all__ = ["ExportedGraph", "ExportRouteError", "export_flat_graph"]
-
 
 class ExportRouteError(RuntimeError):
     """torch.export could not capture the model (the cause is chained)."""
@@ -50,9 +44,8 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     tensors = eg.flatten_inputs(bound)
     is_batch = [t.dim() > 0 and t.shape[0] == batch_size for t in tensors]
     if not any(is_batch):
-        shapes = {name: tuple(t.shape) for name, t in zip(eg.input_names, tensors)}
         raise ValueError(f"no tensor input of {type(model).__name__} has batch_size={batch_size} rows in dim 0 "
-                         f"(tensor inputs: {shapes})")
+                         f"(tensor inputs: {dict(zip(eg.input_names, (tuple(t.shape) for t in tensors)))})")
     dynamic = [b and dynamic_batch for b in is_batch]
     batch = torch.export.Dim("batch", min=1)
     try:
@@ -72,22 +65,20 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     for node in reversed(graph.nodes):
         if _is_check(node):
             graph.erase_node(node)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, eg.input_names):
-        node.name = node.target = name  # fx would rename an argument that shadows a builtin (input)
-    modules = dict(model.named_modules())
-    for node in list(graph.nodes):
+    names, modules = iter(eg.input_names), dict(model.named_modules())
+    for node in graph.nodes:
         if "nn_module_stack" in node.meta:  # the model's modules only, not export's entries for hooks
             node.meta["nn_module_stack"] = {k: v for k, v in node.meta["nn_module_stack"].items() if v[0] in modules}
-        if node.op == "call_function":
+        if node.op == "placeholder":
+            node.name = node.target = next(names)  # fx would rename an argument that shadows a builtin (input)
+        elif node.op == "call_function":
             stack = list(node.meta.get("nn_module_stack", {}).values())
             path = stack[-1][0] if stack else ""
             node._rename(re.sub(r"\W", "_", f"{path}_{_op_name(node)}" if path else _op_name(node)))
     output = graph.output_node()
     output.args = (tuple(output.args[0]),)
     eg.graph_module = gm = fx.GraphModule(unlifted, graph, class_name=f"{type(model).__name__}Graph")
-    own = {id(p) for p in model.parameters()}
-    if any(id(p) not in own for p in gm.parameters()):
+    if not {id(p) for p in gm.parameters()} <= {id(p) for p in model.parameters()}:
         raise ExportRouteError("torch.export gave the graph a Parameter the model does not have")
     graph.eliminate_dead_code()
     # export puts every get_attr first: each goes just before its first user, for cuts to keep them together
@@ -96,8 +87,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         min(node.users, key=order.__getitem__).prepend(node)
     graph.lint()
     gm.recompile()
-    values = [n.meta.get("val") for n in placeholders]
-    sizes = [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    sizes = [n.meta["val"].shape[0] for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d]
     eg.batch_symbol = next((s.node.expr for s in sizes if isinstance(s, torch.SymInt)), None)
     return eg
 
@@ -112,9 +102,8 @@ def _fresh(x: torch.Tensor, twice: bool) -> torch.Tensor:
     return (y if y.device.type == "meta" else y.copy_(x0)).requires_grad_(x.requires_grad)
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target)).strip("_") or "op"
+def _op_name(n: fx.Node) -> str:
+    return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", str(n.target)).strip("_") or "op"
 
 
 def _is_check(node: fx.Node) -> bool:

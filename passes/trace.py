@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import keyword
 import linecache
 import os
 import re
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -83,12 +85,12 @@ class TracedModel:
         if spec != self.input_spec:
             raise InputMismatch(f"this call's arguments have structure {spec} but the pipeline was compiled for "
                                 f"{self.input_spec}; call it with the same arguments as the first call")
-        for name, i in zip(self.input_names, self.tensor_positions):
-            if not isinstance(leaves[i], torch.Tensor):
-                raise InputMismatch(f"argument {name!r} was a tensor when the pipeline was compiled but is "
-                                    f"{type(leaves[i]).__name__} now")
+        names = dict(zip(self.tensor_positions, self.input_names))
         for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
-            if i not in self.tensor_positions and not _same_constant(now, then):
+            if i in names and not isinstance(now, torch.Tensor):
+                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is "
+                                    f"{type(now).__name__} now")
+            if i not in names and not _same_constant(now, then):
                 raise InputMismatch(f"non-tensor argument #{i} was {then!r} when the pipeline was compiled and is "
                                     f"{now!r} now; it is baked into the graph")
         return [leaves[i] for i in self.tensor_positions]
@@ -110,10 +112,8 @@ class TracedModel:
 
 
 def _fill(template: list[Any], positions: list[int], values: Sequence[Any]) -> list[Any]:
-    leaves = list(template)
-    for position, value in zip(positions, values):
-        leaves[position] = value
-    return leaves
+    filled = dict(zip(positions, values))
+    return [filled.get(i, leaf) for i, leaf in enumerate(template)]
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -166,38 +166,33 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     if not traced.tensor_positions:
         raise TypeError(f"{type(model).__name__}.forward was called with no tensor argument; nothing to pipeline")
     traced.batch_size = batch = _batch_size(traced.flatten_inputs(arguments), traced.input_names)
-    if static_batch is not None:
+    if static_batch is None:
+        fx_route = ("torch.fx.symbolic_trace", lambda: _trace_fx(model, traced, leaf_modules))
+        export = ("torch.export (non-strict, dynamic batch)", lambda: export_flat_graph(model, arguments, batch))
+        attempts = {"auto": [fx_route, export], "fx": [fx_route], "export": [export]}[route]
+    else:
         if static_batch > batch:
             raise ValueError(f"static_batch={static_batch} is more rows than the example inputs have ({batch})")
         arguments = pytree.tree_map(lambda x: x[:static_batch] if isinstance(x, torch.Tensor) and x.dim() > 0
                                     and x.shape[0] == batch else x, arguments)
+        attempts = [(f"torch.export (non-strict, static shapes, batch {static_batch})",
+                     lambda: export_flat_graph(model, arguments, static_batch, dynamic_batch=False))]
+    errors: list[tuple[str, BaseException]] = []
+    for name, attempt in attempts:
         try:
-            traced = export_flat_graph(model, arguments, static_batch, dynamic_batch=False)
-        except Exception as e:
-            routes = [(f"torch.export (non-strict, static shapes, batch {static_batch})", e)]
-            raise TraceError(_explain_failures(model, routes)) from e
+            traced = attempt()
+            break
+        except Exception as e:  # fx fails in many exception types
+            errors.append((name, e))
+    else:
+        if static_batch is None and _specialises_batch(errors[-1][1]):
+            raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
+        raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
+    traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
+    if static_batch is not None:
         traced.route, traced.static_batch = "export-static", static_batch
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
                             f"dimension): the model treats the batch size as a constant")
-    else:
-        errors: list[tuple[str, BaseException]] = []
-        result = None
-        if route != "export":
-            try:
-                result = _trace_fx(model, traced, leaf_modules)
-            except Exception as e:  # fx fails in many exception types
-                errors.append(("torch.fx.symbolic_trace", e))
-        if result is None and route != "fx":
-            try:
-                result = export_flat_graph(model, arguments, batch)
-            except Exception as e:
-                errors.append(("torch.export (non-strict, dynamic batch)", e))
-        if result is None:
-            if _specialises_batch(errors[-1][1]):
-                raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
-            raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
-        traced = result
-        traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
     _propagate_fake_shapes(traced.graph_module, traced.flatten_inputs(arguments))
     return traced
 
@@ -205,33 +200,17 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
 def _specialises_batch(error: BaseException | None) -> bool:
     """Did torch.export fail because the model's Python fixed (or bounded) the dynamic batch? By the error's type
     (torch/_dynamo/exc.py, symbolic_shapes.py), or by torch's message where a version wraps them otherwise."""
-    from torch._dynamo.exc import UserError, UserErrorType
+    from torch._dynamo.exc import UserErrorType
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
-    seen = set()
+    seen, violation = set(), UserErrorType.CONSTRAINT_VIOLATION
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ConstraintViolationError) or (
-                isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION):
-            return True
-        if "Constraints violated" in _first_line(error) and "batch" in str(error):
+        typed = isinstance(error, ConstraintViolationError) or getattr(error, "error_type", None) is violation
+        if typed or "Constraints violated" in _first_line(error) and "batch" in str(error):
             return True
         error = error.__cause__ or error.__context__
     return False
-
-
-# -- fx route -------------------------------------------------------------------------------------
-
-class _LeafTracer(fx.Tracer):
-    """fx's tracer, with the user's chosen modules (types or qualified names) kept whole."""
-
-    def __init__(self, leaf_modules: Iterable[type | str]):
-        super().__init__()
-        self.leaves = tuple(leaf_modules)
-
-    def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
-        return (any(qualified_name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in self.leaves)
-                or super().is_leaf_module(m, qualified_name))
 
 
 def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Module:
@@ -246,31 +225,25 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
     return root
 
 
-def _trace_fx(model, traced: TracedModel, leaf_modules) -> TracedModel:
+def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
+    leaves = tuple(leaf_modules)
+
+    class LeafTracer(fx.Tracer):  # keeps the user's chosen modules (types or qualified names) whole
+        def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
+            return (any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves)
+                    or super().is_leaf_module(m, name))
+
     root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
-    traced.graph_module = fx.GraphModule(root, _LeafTracer(leaf_modules).trace(root), class_name=type(model).__name__)
+    traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
     return traced
 
-
-# -- shapes ---------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
     """Puts back the module's 0-dim buffers (all, if asked): FakeTensorMode runs ops on real 0-dim CPU tensors for
-    real, so running a module on fake inputs would bump its BatchNorm ``num_batches_tracked``."""
+    real, bumping BatchNorm's ``num_batches_tracked``. BatchNorm(momentum=None) runs with momentum 0.1 meanwhile: it
+    averages by 1 / num_batches_tracked, which a fake tensor cannot give, and no shape depends on it."""
     saved = [(b, b.clone()) for b in module.buffers() if (every_buffer or b.dim() == 0) and b.device.type != "meta"]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-@contextlib.contextmanager
-def _numeric_momentum(module: torch.nn.Module):
-    """BatchNorm(momentum=None) averages by 1 / num_batches_tracked, which a fake tensor cannot give; no shape
-    depends on it."""
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.momentum is None]
     for m in norms:
         m.momentum = 0.1
@@ -279,6 +252,9 @@ def _numeric_momentum(module: torch.nn.Module):
     finally:
         for m in norms:
             m.momentum = None
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 class _MetaProp(fx.Interpreter):
@@ -292,19 +268,14 @@ class _MetaProp(fx.Interpreter):
 def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor]) -> None:
     """node.meta["val"] for every node, computed on fake (or meta) tensors: no memory, no compute."""
     if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *flat_inputs]):
-        try:
+        with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*flat_inputs)
             return
-        except Exception:
-            pass  # an op with a fake kernel but no meta kernel
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
-    fakes = [mode.from_tensor(t.to("meta") if meta_params else t) for t in flat_inputs]
-    with scalar_buffers_kept(gm), _numeric_momentum(gm):
-        FakeTensorProp(gm, mode).propagate(*fakes)
+    inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
+    with scalar_buffers_kept(gm):
+        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
 
-
-# -- names and errors -----------------------------------------------------------------------------
 
 def _leaf_names(paths: Iterable[tuple]) -> list[str]:
     """Unique identifiers for pytree leaf paths: ``past_key_values_0_1`` for ["past_key_values"][0][1]."""
@@ -313,10 +284,8 @@ def _leaf_names(paths: Iterable[tuple]) -> list[str]:
         name = re.sub(r"\W+", "_", pytree.keystr(path)).strip("_") or "input"
         if name[0].isdigit() or keyword.iskeyword(name):
             name = f"input_{name}"
-        base, n = name, 0
-        while name in names:
-            n += 1
-            name = f"{base}_{n}"
+        if name in names:
+            name = next(f"{name}_{n}" for n in itertools.count(1) if f"{name}_{n}" not in names)
         names.append(name)
     return names
 
@@ -352,8 +321,7 @@ def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseExcept
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else repr(error)
+    return str(error).strip().partition("\n")[0] or repr(error)
 
 
 def user_frame(error: BaseException, model: torch.nn.Module) -> str:
@@ -361,16 +329,14 @@ def user_frame(error: BaseException, model: torch.nn.Module) -> str:
     code (outside torch and this package), or ""."""
     skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
             "<string>", "<eval_with_key")  # torch, this package, the code trace and fx generate
-    tb, found = error.__traceback__, None
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(skip):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
+    frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
+              if not frame.f_code.co_filename.startswith(skip)]
+    if not frames:
         return ""
-    frame, code = found.tb_frame, found.tb_frame.f_code
+    frame, line = frames[-1]
+    code = frame.f_code
     owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     path = {id(m): name for name, m in model.named_modules()}.get(id(owner))
     where = f" in module {path or type(model).__name__!r}" if path is not None else ""
-    source = (linecache.getline(code.co_filename, found.tb_lineno) or "").strip()
-    return f"{where} ({code.co_filename}:{found.tb_lineno} in {code.co_name}: {source})"
+    source = linecache.getline(code.co_filename, line).strip()
+    return f"{where} ({code.co_filename}:{line} in {code.co_name}: {source})"

@@ -6,6 +6,7 @@ over the ranks of one replica that hold it (Megatron-LM's embedding group).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -73,7 +74,8 @@ class DistributedPipeline(torch.nn.Module):
         self.stage_indices = list(range(self.stage_index, len(options.devices), self.n_ranks))
         self._run_passes = run_passes
         self._program = None
-        self._schedules: dict[int, Schedule] = {}
+        self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks,
+                                                                      options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.pipeline_groups = [dist.new_group(list(range(p * self.n_ranks, (p + 1) * self.n_ranks)))
                                 for p in range(data_parallel)]
@@ -104,9 +106,6 @@ class DistributedPipeline(torch.nn.Module):
                     seen.add(id(p))
                     yield name, p
 
-    def parameters(self, recurse: bool = True):
-        return (p for _, p in self.named_parameters(recurse=recurse))
-
     def state_dict(self, *args, **kwargs):
         """This rank's slice of the model's state dict, under the model's own names."""
         return {k: v for stage in self.stages for k, v in stage.state_dict(*args, **kwargs).items()}
@@ -131,7 +130,7 @@ class DistributedPipeline(torch.nn.Module):
         if self._program is not None:
             self._transport.close()
 
-    def build(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def compile_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         _refuse_cuda((f"input {i}", t) for i, t in enumerate(pytree.tree_leaves((args, kwargs))))
         compiled = self._run_passes(self.model, args, kwargs, self.options, before_codegen=self._materialize)
         if len(compiled.programs) > 1:
@@ -160,29 +159,25 @@ class DistributedPipeline(torch.nn.Module):
         module of a tensor's first (canonical) name is reset, with a generator seeded by that name, so a tied
         weight initialises identically on every rank."""
         fresh: dict[int, torch.Tensor] = {}
-        owners: list[str] = []
+        owners: dict[str, None] = {}  # the modules to reset, in order
         for name in (name for s in self.stage_indices for name in plan.stages[s].params):
             t = _tensor(self.model, name)
             if t.device.type != "meta" or id(t) in fresh:
                 continue
             new = torch.empty_like(t, device="cpu")
             fresh[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
-            owners.append(name.rpartition(".")[0])
+            owners[name.rpartition(".")[0]] = None
         for module in self.model.modules():
             for table in (module._parameters, module._buffers):
                 for attr, t in table.items():
                     if t is not None and id(t) in fresh:
                         table[attr] = fresh[id(t)]
-        unset = []
-        for owner_name in dict.fromkeys(owners):
-            owner = self.model.get_submodule(owner_name)
-            if not hasattr(owner, "reset_parameters"):
-                unset.append(owner_name)
-                continue
+        unset = [o for o in owners if not hasattr(self.model.get_submodule(o), "reset_parameters")]
+        for owner_name in (o for o in owners if o not in unset):
             digest = hashlib.blake2b(owner_name.encode(), digest_size=8).digest()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-                owner.reset_parameters()
+                self.model.get_submodule(owner_name).reset_parameters()
         if unset:
             warnings.warn(f"rank {self.rank}: modules {unset[:5]}{'...' if len(unset) > 5 else ''} were on the meta "
                           f"device and have no reset_parameters(): their tensors hold uninitialised memory until "
@@ -194,15 +189,12 @@ class DistributedPipeline(torch.nn.Module):
         Call it with the same arguments on every rank (each stage reads only the inputs its nodes use).
         Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
         if self._program is None:
-            self.build(args, kwargs)
+            self.compile_for(args, kwargs)
         traced, transport, runners = self._program.traced, self._transport, self._runners
         flat = traced.flat_inputs(args, kwargs)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
         local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, traced.input_names, sizes)]
-        if len(sizes) not in self._schedules:
-            self._schedules[len(sizes)] = Schedule.build(self.schedule_name, self.n_ranks, len(sizes),
-                                                         self.options.virtual_stages)
-        schedule = self._schedules[len(sizes)]
+        schedule = self._schedule(len(sizes))
         state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint,
                                 schedule=schedule, deferred_model=self.model if self.deferred_batch_norm else None,
                                 track_memory=False)
@@ -212,8 +204,7 @@ class DistributedPipeline(torch.nn.Module):
                         targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes])
         for runner in runners.values():
             runner.start_step()
-        order = schedule.device_order(self.stage_index)
-        transport.run(local, sizes, order, lambda task: runners[task.stage], state, loss)
+        transport.run(local, sizes, schedule.device_order(self.stage_index), lambda t: runners[t.stage], state, loss)
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()

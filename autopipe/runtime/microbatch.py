@@ -12,20 +12,14 @@ class BatchMismatch(ValueError):
     """Tensor arguments that should share a batch dimension do not."""
 
 
-_warned_small_batch = False
-
-
 def micro_batch_sizes(batch: int, chunks: int) -> list[int]:
     """The first ``batch % chunks`` micro-batches are one row larger; a batch under ``chunks`` runs
-    one-row micro-batches (with one warning per process)."""
-    global _warned_small_batch
+    one-row micro-batches (with a warning, which Python's default filter shows once per call site)."""
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks}")
     if batch < chunks:
-        if not _warned_small_batch:
-            warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row",
-                          stacklevel=4)
-            _warned_small_batch = True
+        warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row",
+                      stacklevel=4)
         chunks = max(batch, 1)
     base, extra = divmod(batch, chunks)
     return [base + (1 if i < extra else 0) for i in range(chunks)]

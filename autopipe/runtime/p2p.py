@@ -7,6 +7,8 @@ and poisons its own gloo context, so every peer blocked on it fails at once and 
 """
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -27,18 +29,13 @@ class PipelineError(RuntimeError):
 
 
 class _CommError(RuntimeError):
-    def __init__(self, what: str, peer: int, err: BaseException) -> None:
-        super().__init__(f"{what}: {err}")
-        self.what, self.peer, self.err = what, peer, err
+    """A send, receive or barrier that failed, described from this rank (``_comm_error``)."""
 
 
 def _sum(parts: Sequence[Any]) -> Any:
     """The sum of the parts that are not None, in the order given (bitwise reproducible); None if none."""
-    total = None
-    for g in parts:
-        if g is not None:
-            total = g if total is None else total + g
-    return total
+    present = [g for g in parts if g is not None]
+    return functools.reduce(operator.add, present) if present else None
 
 
 class P2PTransport(Transport):
@@ -71,8 +68,7 @@ class P2PTransport(Transport):
             if theirs != mine:
                 raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
                                  f"call compile and step with the same model and arguments on every rank")
-        self._steps = 0
-        self._poisoned = False
+        self._steps, self._poisoned = 0, False
         self._poison_lock = threading.Lock()
         self._wd_stop = threading.Event()
         self._wd = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
@@ -194,7 +190,7 @@ class P2PTransport(Transport):
                 dist.barrier(group=self.group, async_op=True).wait(self.timeout)
             except RuntimeError as err:
                 missing = [q for q in range(self.world) if not self._done(q)]
-                raise _CommError("the end-of-step barrier", missing[0] if missing else -1, err) from err
+                raise self._comm_error("the end-of-step barrier", missing[0] if missing else -1, err) from err
 
     def _done(self, rank: int) -> bool:
         try:
@@ -213,14 +209,14 @@ class P2PTransport(Transport):
         try:
             return (self.group.send if send else self.group.recv)([tensor], peer, tag), peer, what
         except RuntimeError as err:
-            raise _CommError(f"posting {what}", peer, err) from err
+            raise self._comm_error(f"posting {what}", peer, err) from err
 
     def _wait(self, posted: Sequence[tuple[Any, int, str]]) -> None:
         for work, peer, what in posted:
             try:
                 work.wait(self.timeout)
             except RuntimeError as err:
-                raise _CommError(what, peer, err) from err
+                raise self._comm_error(what, peer, err) from err
 
     def _poison(self) -> None:
         """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each
@@ -246,9 +242,7 @@ class P2PTransport(Transport):
             except Exception as err:  # noqa: BLE001 - the store is gone: its host died
                 report = (f"rank {self.rank} lost the rendezvous store ({type(err).__name__}); the rank "
                           "hosting it (rank 0 with a tcp:// init_method) probably died")
-            else:
-                if self._wd_stop.is_set():
-                    return
+            else:  # a wake-up after close() finds no report and ends the loop
                 try:
                     if not store.check(["failed"]):
                         store.delete_key(key)  # a stray wake-up (a closed earlier pipeline)
@@ -261,20 +255,19 @@ class P2PTransport(Transport):
                 self._poison()
             return
 
-    def _describe(self, err: BaseException) -> str:
-        if not isinstance(err, _CommError):
-            return f"rank {self.rank} failed in {getattr(err, '_autopipe_where', 'the step')}: {type(err).__name__}: {err}"
-        text = str(err.err)
+    def _comm_error(self, what: str, peer: int, err: RuntimeError) -> _CommError:
+        text = str(err)
         if "Timed out" in text:
-            return (f"rank {self.rank}: {err.what} timed out after {self.timeout.total_seconds():g} s: "
-                    f"rank {err.peer} is hung or far too slow")
-        who = f"rank {err.peer}" if err.peer >= 0 else "a rank"
-        return (f"rank {self.rank}: {err.what} failed: {who} closed its connections "
-                f"(it died, or failed itself) [{type(err.err).__name__}: {text.splitlines()[0][:200]}]")
+            return _CommError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s: "
+                              f"rank {peer} is hung or far too slow")
+        who = f"rank {peer}" if peer >= 0 else "a rank"
+        return _CommError(f"rank {self.rank}: {what} failed: {who} closed its connections (it died, or failed "
+                          f"itself) [{type(err).__name__}: {text.splitlines()[0][:200]}]")
 
     def _fail(self, err: BaseException) -> PipelineError:
         """Publish this failure unless another came first (the first report wins), wake every rank, poison."""
-        mine = self._describe(err)
+        mine = str(err) if isinstance(err, _CommError) else (
+            f"rank {self.rank} failed in {getattr(err, '_autopipe_where', 'the step')}: {type(err).__name__}: {err}")
         try:
             first = self._rstore.compare_set("failed", "", self._remote or mine).decode() or self._remote or mine
             self._rstore.multi_set([f"wake/{q}" for q in range(self.world)], ["1"] * self.world)
@@ -283,9 +276,8 @@ class P2PTransport(Transport):
                             f"init_method) probably died or exited; rank {self.rank} saw: {mine}")
         self._poison()
         self._failed = first
-        if first == mine:
-            return PipelineError(f"pipeline step failed: {first}")
-        return PipelineError(f"pipeline step failed: {first} [seen from rank {self.rank} as: {mine}]")
+        seen = "" if first == mine else f" [seen from rank {self.rank} as: {mine}]"
+        return PipelineError(f"pipeline step failed: {first}{seen}")
 
     def close(self) -> None:
         """Stop the watchdog (the pipeline stays usable only if nothing failed)."""

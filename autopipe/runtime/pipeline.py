@@ -151,10 +151,13 @@ class _Run:
                 for order in self.pipe.orders(schedule, kinds)]
         run_on_workers(workers, jobs, mailbox)
 
+    def _note_peaks(self) -> None:
+        """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
+        self.peaks_before = {s.device: torch.cuda.max_memory_allocated(s.device) for s in self.compiled.stages
+                             if s.device.type == "cuda" and self.state.memory is not None}
+
     def forward(self) -> list[torch.Tensor]:
-        for stage in self.compiled.stages:
-            if stage.device.type == "cuda" and self.state.memory is not None:
-                torch.cuda.reset_peak_memory_stats(stage.device)
+        self._note_peaks()
         self._execute(self.schedule, "F")
         if self.state.deferred is not None:
             self.state.deferred.commit()
@@ -174,14 +177,16 @@ class _Run:
         return self._input_grads(), self._param_grads()
 
     def _cuda_peaks(self) -> None:
-        if self.state.memory is not None:
-            for stage in self.compiled.stages:
-                if stage.device.type == "cuda":
-                    self.state.memory.stages[stage.index].cuda_peak = torch.cuda.max_memory_allocated(stage.device)
+        for stage in self.compiled.stages:
+            if stage.device in self.peaks_before:
+                peak = torch.cuda.max_memory_allocated(stage.device)
+                if peak > self.peaks_before[stage.device]:
+                    self.state.memory.stages[stage.index].cuda_peak = peak
 
     def step(self, targets: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
         loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,
                     weights=[s / self.batch for s in self.sizes], last_stage=self.compiled.plan.n_stages - 1)
+        self._note_peaks()
         self._execute(self.schedule, "FB", loss=loss)
         self._cuda_peaks()
         if self.state.deferred is not None:
@@ -255,32 +260,11 @@ class Pipeline(torch.nn.Module):
                         for j, d in enumerate(devices)]
         self._finalizer = weakref.finalize(self, _close, self.workers)
 
-    # -- the model's own state ------------------------------------------------
-    def parameters(self, recurse: bool = True):
-        return self.model.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.model.named_parameters(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True):
-        return self.model.buffers(recurse)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.model.named_buffers(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.model.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        return self.model.load_state_dict(*args, **kwargs)
-
+    # -- the model's own state (parameters(), state_dict(), ...: see _delegate below) ---
     def train(self, mode: bool = True):
         self.model.train(mode)
         self.training = mode
         return self
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none)
 
     def _apply(self, fn, recurse=True):
         raise RuntimeError("a compiled pipeline's placement is its plan's: pipe.to()/.cuda()/.half() would move every "
@@ -294,17 +278,9 @@ class Pipeline(torch.nn.Module):
             raise RuntimeError("the pipeline compiles on its first call: call it once, or pass example_inputs to autopipe.compile")
         return self._current
 
-    @property
-    def plan(self):
-        return self.compiled.plan
-
-    @property
-    def stages(self):
-        return self.compiled.stages
-
-    @property
-    def schedule(self) -> Schedule:
-        return self.schedule_for(self.chunks)
+    plan = property(lambda self: self.compiled.plan, doc="The Plan of the last call's inputs.")
+    stages = property(lambda self: self.compiled.stages, doc="The generated Stage modules (print stage.code).")
+    schedule = property(lambda self: self.schedule_for(self.chunks), doc="The Schedule a step runs.")
 
     def schedule_for(self, chunks: int, forward_only: bool = False) -> Schedule:
         key = (chunks, forward_only)
@@ -417,6 +393,18 @@ class Pipeline(torch.nn.Module):
     def close(self) -> None:
         """Stop the worker threads (they also stop when the pipeline is garbage-collected)."""
         _close(self.workers)
+
+
+def _delegate(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        return getattr(self.model, name)(*args, **kwargs)
+    method.__name__, method.__doc__ = name, f"The model's own ``{name}``: the pipeline holds no state of its own."
+    return method
+
+
+for _name in ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict", "load_state_dict",
+              "zero_grad"):
+    setattr(Pipeline, _name, _delegate(_name))
 
 
 def model_loss(output, target) -> torch.Tensor:

@@ -30,6 +30,12 @@ def _deps(t: Task, n_stages: int) -> list[Task]:
     return deps + [Task(t.stage + 1, t.micro_batch, "B")] if t.stage < n_stages - 1 else deps
 
 
+def _one_f_one_b(forwards: list[Task], backwards: list[Task], warmup: int) -> list[Task]:
+    """One device's order: ``warmup`` forwards, then F,B pairs, then the remaining backwards."""
+    pairs = [t for f, b in zip(forwards[warmup:], backwards) for t in (f, b)]
+    return forwards[:warmup] + pairs + backwards[len(forwards) - warmup:]
+
+
 def _interleavable(n_devices: int, chunks: int) -> bool:
     """torch's rule: micro-batches split into max(1, M // K) equal rounds."""
     return chunks % max(1, chunks // n_devices) == 0
@@ -55,13 +61,8 @@ class Schedule:
     def one_f_one_b(cls, n_stages: int, chunks: int) -> "Schedule":
         """PipeDream-flush: K-d-1 warm-up forwards on device d (Megatron's `num_warmup_microbatches`), then
         F,B pairs, then the remaining backwards; at most K-d micro-batches in flight. With M < K it is GPipe."""
-        orders = []
-        for d in range(n_stages):
-            warmup = min(chunks, n_stages - d - 1)
-            order = [Task(d, i, "F") for i in range(warmup)]
-            for i in range(chunks - warmup):
-                order += [Task(d, warmup + i, "F"), Task(d, i, "B")]
-            orders.append(order + [Task(d, i, "B") for i in range(chunks - warmup, chunks)])
+        orders = [_one_f_one_b([Task(d, i, "F") for i in range(chunks)], [Task(d, i, "B") for i in range(chunks)],
+                               min(chunks, n_stages - d - 1)) for d in range(n_stages)]
         return cls._pack("1f1b", n_stages, n_stages, chunks, orders)
 
     @classmethod
@@ -84,15 +85,9 @@ class Schedule:
                              f"works: nearest valid chunks are {below} and {above}")
         per_round, total = M // max(1, M // K), v * M
         mb = [k // (per_round * v) * per_round + k % per_round for k in range(total)]
-        orders = []
-        for d in range(K):
-            fwd = [Task((k // per_round) % v * K + d, mb[k], "F") for k in range(total)]
-            bwd = [Task((v - 1 - (k // per_round) % v) * K + d, mb[k], "B") for k in range(total)]
-            warmup = min(total, (v - 1) * per_round + 2 * (K - d - 1))
-            order = fwd[:warmup]
-            for k in range(total - warmup):
-                order += [fwd[warmup + k], bwd[k]]
-            orders.append(order + bwd[total - warmup:])
+        orders = [_one_f_one_b([Task((k // per_round) % v * K + d, mb[k], "F") for k in range(total)],
+                               [Task((v - 1 - (k // per_round) % v) * K + d, mb[k], "B") for k in range(total)],
+                               min(total, (v - 1) * per_round + 2 * (K - d - 1))) for d in range(K)]
         return cls._pack("interleaved", K * v, K, M, orders)
 
     @classmethod
@@ -175,22 +170,21 @@ class Schedule:
                              f"over the devices (got K={self.n_devices}, stages={self.n_stages}, M={self.chunks})")
         when: dict[Task, int] = {}
         for c, cycle in enumerate(self.cycles):
-            busy: set[int] = set()
             for t in cycle:
                 if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks and t.kind in ("F", "B")):
                     raise ValueError(f"task {t!r} at cycle {c} is out of range")
                 if t in when:
                     raise ValueError(f"task {t!r} runs twice (cycles {when[t]} and {c})")
-                if self.device_of(t.stage) in busy:
-                    raise ValueError(f"device {self.device_of(t.stage)} runs two tasks at cycle {c}")
-                busy.add(self.device_of(t.stage))
                 when[t] = c
+            busy = [self.device_of(t.stage) for t in cycle]
+            if len(set(busy)) < len(busy):
+                raise ValueError(f"device {next(d for d in busy if busy.count(d) > 1)} runs two tasks at cycle {c}")
         kinds = ("F", "B") if any(t.kind == "B" for t in when) else ("F",)
-        missing = next((Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds
-                        if Task(s, i, k) not in when), None)
-        if missing is not None:
-            raise ValueError(f"missing {missing.kind} of micro-batch {missing.micro_batch} on stage {missing.stage}: "
-                             f"every (stage, micro-batch) needs one {' and one '.join(kinds)}")
+        every = {Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds}
+        missing = sorted(every - set(when))
+        if missing:
+            raise ValueError(f"missing {missing[0].kind} of micro-batch {missing[0].micro_batch} on stage "
+                             f"{missing[0].stage}: every (stage, micro-batch) needs one {' and one '.join(kinds)}")
         for t, c in when.items():
             for p in _deps(t, self.n_stages):
                 if when[p] >= c:

@@ -37,13 +37,8 @@ def differentiable(x: Any) -> bool:
 
 @dataclass
 class Ambient:
-    """The caller's thread-local state that must hold inside every task, on whichever thread it runs.
-
-    Grad mode is decided per task; autocast, inference mode and saved-tensor hooks
-    (``torch.autograd.graph.save_on_cpu``...) are captured on the calling thread and
-    re-entered on the workers. A profiler or a user's TorchFunctionMode/TorchDispatchMode
-    sees only its own thread, so with one of those active the step runs inline on the
-    calling thread (``inline``)."""
+    """The caller's thread-local state (autocast, inference mode, saved-tensor hooks), re-entered in every task.
+    A profiler or a user's TorchFunctionMode/TorchDispatchMode sees only its own thread: then the step runs inline."""
 
     autocast: dict[str, tuple[bool, torch.dtype]]
     autocast_cache: bool

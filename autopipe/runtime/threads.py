@@ -89,13 +89,9 @@ class Mailbox(Transport):
         self.aborted = False
         for i, row in enumerate(inputs):
             for name, value, grad in zip(programs[i].plan.graph_inputs, row, input_grad):
-                self._resolved(i, name, value, grad and differentiable(value))
-
-    def _resolved(self, i: int, name: str, value: Any, grad: bool) -> None:
-        future: Future = Future()
-        future.set_result(value)
-        self.values[(i, name)] = future
-        self.needs_grad[(i, name)] = grad
+                self.values[(i, name)] = future = Future()
+                future.set_result(value)
+                self.needs_grad[(i, name)] = grad and differentiable(value)
 
     def _future(self, table: dict, key) -> Future:
         with self.lock:

@@ -18,12 +18,19 @@ def test_stages_on_cuda_match_the_plain_model(name):
     count = torch.cuda.device_count()
     devices = [f"cuda:{i % count}" for i in range(2)]
     pipe = autopipe.compile(model, devices=devices, chunks=4, track_memory=True)
+    torch.cuda.reset_peak_memory_stats()
     out = pipe(*args)  # CPU inputs are copied to the first stage's device
     torch.testing.assert_close(out.cpu(), ref.detach().cpu(), rtol=1e-4, atol=1e-4)
     scalar_loss(out).backward()
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
-    assert all(s.cuda_peak is not None for s in pipe.memory.stages)
+    assert all(s.cuda_peak is not None for s in pipe.memory.stages)  # the step raised the peak from the reset
+    # the user's own peak statistics are never reset: a high peak from before a step survives it
+    spike = torch.empty(1 << 28, device="cuda:0")
+    del spike
+    high = torch.cuda.max_memory_allocated("cuda:0")
+    scalar_loss(pipe(*args)).backward()
+    assert torch.cuda.max_memory_allocated("cuda:0") >= high
 
 
 def test_torchrun_runtime_refuses_a_cuda_model_before_any_process_group(monkeypatch):
