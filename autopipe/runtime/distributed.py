@@ -204,7 +204,7 @@ class DistributedPipeline(torch.nn.Module):
                         targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes])
         for runner in runners.values():
             runner.start_step()
-        transport.run(local, sizes, schedule.device_order(self.stage_index), lambda t: runners[t.stage], state, loss)
+        transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()

@@ -1,7 +1,8 @@
 """The torch.distributed transport: each cross-cut value sent point to point to the rank that reads it.
 
 Design: docs/architecture.md, "Runtime"; failure handling measured in notes/distributed.md. Tags are unique
-per (edge, micro-batch, direction), which gloo matches on (NCCL matches per peer pair in order: not built).
+per (edge, micro-batch, direction), which gloo matches on; receives from a peer are posted in the order the peer
+posts its sends, which NCCL would match on.
 A failing rank writes its report to the store key ``failed`` (the first one wins), wakes every rank's watchdog
 and poisons its own gloo context, so every peer blocked on it fails at once and raises PipelineError.
 """
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .executor import Transport, run_tasks
-from .schedule import Task
+from .schedule import Schedule, Task
 from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
@@ -69,6 +70,7 @@ class P2PTransport(Transport):
                 raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
                                  f"call compile and step with the same model and arguments on every rank")
         self._steps, self._poisoned = 0, False
+        self._plans: dict[Schedule, tuple] = {}  # _messages per schedule
         self._poison_lock = threading.Lock()
         self._wd_stop = threading.Event()
         self._wd = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
@@ -78,25 +80,28 @@ class P2PTransport(Transport):
     def _local(self, stage: int) -> bool:
         return stage % self.world == self.rank
 
-    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], order: Sequence[Task],
+    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule,
             runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
-        """One step: ``local[i]`` holds micro-batch i's graph inputs by name, ``order`` this rank's tasks. Any
-        failure is reported to every rank and raised as PipelineError."""
+        """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every
+        rank and raised as PipelineError."""
         if self._failed is not None:
             raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
         if self._remote is not None:
             self._failed = self._remote
             raise PipelineError(f"pipeline step failed: {self._remote}")
-        self.sizes, self.order = list(sizes), list(order)
+        self.sizes = list(sizes)
         self.values = [dict(row) for row in local]  # graph inputs, outputs made here, buffers received
         self.grads: list[dict[tuple[str, int], Any]] = [{} for _ in sizes]  # by (value, reader stage)
         self.final_grads: list[dict[str, Any]] = [{} for _ in sizes]  # the loss's, by model output
         self.sends: list = []
-        self.posted: dict[tuple[str, int, int], list] = {}  # receives posted ahead, by task
+        if schedule not in self._plans:
+            self._plans[schedule] = self._messages(schedule)
+        self.order, self.needs, self.peer_sends = self._plans[schedule]
+        self.posted: dict[tuple, tuple] = {}  # receives posted, by message
+        self.cursor = {q: 0 for q in self.peer_sends}  # how far each peer's sends have matching receives
         self._position = {(t.kind, t.stage, t.micro_batch): k for k, t in enumerate(self.order)}
-        self._next_to_post = 0
         try:
-            run_tasks(order, runners, self, state, loss)
+            run_tasks(self.order, runners, self, state, loss)
             self._finish_step()
         except PipelineError:
             raise
@@ -106,28 +111,54 @@ class P2PTransport(Transport):
             self._fail(err)
             raise
 
-    def _receive(self, kind: str, stage: int, i: int) -> None:
-        """Wait for a task's messages, first posting the receives of the tasks up to LOOKAHEAD after it."""
-        through = min(len(self.order), self._position[(kind, stage, i)] + 1 + LOOKAHEAD)
-        while self._next_to_post < through:
-            self._post_receives(self.order[self._next_to_post])
-            self._next_to_post += 1
-        self._wait(self.posted.pop((kind, stage, i), []))  # a gloo work must not be waited on twice
+    def _messages(self, schedule: Schedule) -> tuple[list[Task], dict[tuple, list[tuple]], dict[int, list[tuple]]]:
+        """This rank's tasks; the messages each task reads; what each peer sends this rank, in the order it
+        posts those sends. A message is ("F", value, mb) or ("B", value, mb, reader stage)."""
+        needs: dict[tuple, list[tuple]] = {}
+        peer_sends: dict[int, list[tuple]] = {q: [] for q in range(self.world) if q != self.rank}
+        for q in range(self.world):
+            for t in schedule.device_order(q):
+                i = t.micro_batch
+                if t.kind == "F":
+                    sent = [("F", e.name, i) for e in self.spec.out_of(t.stage)
+                            if any(self._local(d) for d in e.dsts)]
+                    read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
+                else:
+                    sent = [("B", e.name, i, t.stage) for e in self.spec.into(t.stage) if e.grad and self._local(e.src)]
+                    read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad
+                            for d in e.dsts if not self._local(d)]
+                if q == self.rank:
+                    needs[(t.kind, t.stage, i)] = read
+                else:
+                    peer_sends[q] += sent
+        return schedule.device_order(self.rank), needs, peer_sends
 
-    def _post_receives(self, task: Task) -> None:
-        i, rows, posted = task.micro_batch, self.sizes[task.micro_batch], []
-        if task.kind == "F":
-            for n, e in self._in.items():
-                if self._first_reader[n] == task.stage:
-                    self.values[i][n] = buf = e.empty(rows)
-                    posted.append(self._post(False, buf, e.src % self.world, self._tag(e, i, None), f"{n!r} mb {i}"))
+    def _receive(self, kind: str, stage: int, i: int) -> None:
+        """Wait for a task's messages. Receives are posted for the tasks up to LOOKAHEAD after it, and from each
+        peer in the order that peer posts its sends: NCCL matches a pair's messages in posting order."""
+        at = self._position[(kind, stage, i)]
+        for task in self.order[at:at + 1 + LOOKAHEAD]:
+            for message in self.needs[(task.kind, task.stage, task.micro_batch)]:
+                peer = self._sender(message)
+                while message not in self.posted:
+                    self._post_receive(peer, self.peer_sends[peer][self.cursor[peer]])
+                    self.cursor[peer] += 1
+        self._wait([self.posted.pop(m) for m in self.needs[(kind, stage, i)]])  # a work is waited on once
+
+    def _sender(self, message: tuple) -> int:
+        edge = self._edges[message[1]]
+        return (edge.src if message[0] == "F" else message[3]) % self.world
+
+    def _post_receive(self, peer: int, message: tuple) -> None:
+        edge, i = self._edges[message[1]], message[2]
+        buffer = edge.empty(self.sizes[i])
+        if message[0] == "F":
+            self.values[i][edge.name] = buffer
+            self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, None), f"{edge.name!r} mb {i}")
         else:
-            for e in self.spec.out_of(task.stage):
-                for d in (d for d in e.dsts if e.grad and not self._local(d)):
-                    self.grads[i][(e.name, d)] = buf = e.empty(rows)
-                    posted.append(self._post(False, buf, d % self.world, self._tag(e, i, d),
-                                             f"grad of {e.name!r} mb {i}"))
-        self.posted[(task.kind, task.stage, i)] = posted
+            self.grads[i][(edge.name, message[3])] = buffer
+            self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, message[3]),
+                                              f"grad of {edge.name!r} mb {i}")
 
     def _value(self, i: int, name: str) -> Any:
         value = self.values[i][name]

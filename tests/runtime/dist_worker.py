@@ -201,12 +201,17 @@ def main():
         target = torch.randint(0, 64, (16, 16), generator=g)
         pipe = autopipe.compile(model, chunks=4, timeout=30, schedule="interleaved" if v > 1 else "gpipe",
                                 virtual_stages=v)
+        from autopipe.runtime.p2p import P2PTransport
+        from autopipe.runtime.wire import WireSpec
+        posts = []  # (send?, peer, tag) in the order this rank posts them: NCCL would match each pair in this order
+        post = P2PTransport._post
+        P2PTransport._post = lambda self, send, tensor, peer, tag, what: (
+            posts.append((send, peer, tag)), post(self, send, tensor, peer, tag, what))[1]
         torch.manual_seed(100)
         loss = pipe.step(ids, target=target, loss_fn=skip_loss)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-        from autopipe.runtime.wire import WireSpec
         edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
-        torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges},
+        torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges, "posts": posts},
                    os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":
         pipe = trap(rank, world)

@@ -85,6 +85,12 @@ def test_skip_and_early_output_between_real_ranks_equal_the_in_process_pipeline(
             torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
             seen.add(name)
     assert seen >= {n for n, _ in model.named_parameters()}
+    # every pair of ranks posts its messages in one order on both ends (NCCL, unlike gloo, ignores tags)
+    for a in range(world):
+        for b in range(world):
+            sent = [tag for send, peer, tag in results[a]["posts"] if send and peer == b]
+            received = [tag for send, peer, tag in results[b]["posts"] if not send and peer == a]
+            assert sent == received, (a, b)
 
 
 # -- failures --------------------------------------------------------------------------------------
