@@ -198,7 +198,7 @@ def pipelining_step(model: nn.Module, rank: int, name: str, v: int, x, y, chunks
     else:
         schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=chunks,
                                                                       loss_fn=F.mse_loss)
-    names = {f"{p}" for s in stages for p, _ in _full_names(model, s.submod)}
+    names = {n for s in stages for n, _ in _full_names(model, s.submod)}
 
     def step():
         if rank == 0:

@@ -23,7 +23,7 @@ from .executor import Loss
 from .p2p import P2PTransport, PipelineError
 from .pipeline import model_loss
 from .schedule import Schedule
-from .task import StageRunner, StepState
+from .task import StageRunner, StepState, accumulate_grads
 from .wire import WireSpec
 
 __all__ = ["DistributedPipeline", "PipelineError", "running_under_torchrun"]
@@ -208,11 +208,8 @@ class DistributedPipeline(torch.nn.Module):
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()
-        with torch.no_grad():
-            for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
-                for p, g in zip(runner.params, runner.param_grads):
-                    if g is not None:
-                        p.grad = g if p.grad is None else p.grad.add_(g)
+        for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
+            accumulate_grads(runner.params, runner.param_grads)
         self._reduce_gradients()
         return loss.total if loss is not None else None
 
@@ -222,8 +219,8 @@ class DistributedPipeline(torch.nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if self.data_parallel > 1 and grads:
+        grads = [p.grad for p in self.parameters() if p.grad is not None] if self.data_parallel > 1 else []
+        if grads:
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.data_parallel_groups[self.stage_index])
             flat /= self.data_parallel

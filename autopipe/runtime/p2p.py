@@ -99,7 +99,6 @@ class P2PTransport(Transport):
         self.order, self.needs, self.peer_sends = self._plans[schedule]
         self.posted: dict[tuple, tuple] = {}  # receives posted, by message
         self.cursor = {q: 0 for q in self.peer_sends}  # how far each peer's sends have matching receives
-        self._position = {(t.kind, t.stage, t.micro_batch): k for k, t in enumerate(self.order)}
         try:
             run_tasks(self.order, runners, self, state, loss)
             self._finish_step()
@@ -111,39 +110,42 @@ class P2PTransport(Transport):
             self._fail(err)
             raise
 
-    def _messages(self, schedule: Schedule) -> tuple[list[Task], dict[tuple, list[tuple]], dict[int, list[tuple]]]:
-        """This rank's tasks; the messages each task reads; what each peer sends this rank, in the order it
-        posts those sends. A message is ("F", value, mb) or ("B", value, mb, reader stage)."""
-        needs: dict[tuple, list[tuple]] = {}
-        peer_sends: dict[int, list[tuple]] = {q: [] for q in range(self.world) if q != self.rank}
-        for q in range(self.world):
+    def _messages(self, schedule: Schedule) -> tuple[list[Task], dict[tuple, tuple[int, list]], dict[int, list]]:
+        """This rank's tasks; per task, its place in that order and the messages it reads; what each peer
+        sends this rank, in the order it posts those sends. A message is ("F", value, mb) or
+        ("B", value, mb, reader stage)."""
+        order = schedule.device_order(self.rank)
+        needs: dict[tuple, tuple[int, list]] = {}
+        for k, t in enumerate(order):
+            i = t.micro_batch
+            if t.kind == "F":
+                read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
+            else:
+                read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad
+                        for d in e.dsts if not self._local(d)]
+            needs[(t.kind, t.stage, i)] = (k, read)
+        peer_sends: dict[int, list] = {q: [] for q in range(self.world) if q != self.rank}
+        for q, sends in peer_sends.items():  # as send_outputs and send_input_grads post them on rank q
             for t in schedule.device_order(q):
-                i = t.micro_batch
                 if t.kind == "F":
-                    sent = [("F", e.name, i) for e in self.spec.out_of(t.stage)
-                            if any(self._local(d) for d in e.dsts)]
-                    read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
+                    sends += [("F", e.name, t.micro_batch) for e in self.spec.out_of(t.stage)
+                              if any(self._local(d) for d in e.dsts)]
                 else:
-                    sent = [("B", e.name, i, t.stage) for e in self.spec.into(t.stage) if e.grad and self._local(e.src)]
-                    read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad
-                            for d in e.dsts if not self._local(d)]
-                if q == self.rank:
-                    needs[(t.kind, t.stage, i)] = read
-                else:
-                    peer_sends[q] += sent
-        return schedule.device_order(self.rank), needs, peer_sends
+                    sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage)
+                              if e.grad and self._local(e.src)]
+        return order, needs, peer_sends
 
     def _receive(self, kind: str, stage: int, i: int) -> None:
         """Wait for a task's messages. Receives are posted for the tasks up to LOOKAHEAD after it, and from each
         peer in the order that peer posts its sends: NCCL matches a pair's messages in posting order."""
-        at = self._position[(kind, stage, i)]
+        at, reads = self.needs[(kind, stage, i)]
         for task in self.order[at:at + 1 + LOOKAHEAD]:
-            for message in self.needs[(task.kind, task.stage, task.micro_batch)]:
+            for message in self.needs[(task.kind, task.stage, task.micro_batch)][1]:
                 peer = self._sender(message)
                 while message not in self.posted:
                     self._post_receive(peer, self.peer_sends[peer][self.cursor[peer]])
                     self.cursor[peer] += 1
-        self._wait([self.posted.pop(m) for m in self.needs[(kind, stage, i)]])  # a work is waited on once
+        self._wait([self.posted.pop(m) for m in reads])  # a work is waited on once
 
     def _sender(self, message: tuple) -> int:
         edge = self._edges[message[1]]
@@ -152,13 +154,13 @@ class P2PTransport(Transport):
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
         buffer = edge.empty(self.sizes[i])
-        if message[0] == "F":
+        reader = message[3] if message[0] == "B" else None
+        if reader is None:
             self.values[i][edge.name] = buffer
-            self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, None), f"{edge.name!r} mb {i}")
         else:
-            self.grads[i][(edge.name, message[3])] = buffer
-            self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, message[3]),
-                                              f"grad of {edge.name!r} mb {i}")
+            self.grads[i][(edge.name, reader)] = buffer
+        what = f"{edge.name!r} mb {i}" if reader is None else f"grad of {edge.name!r} mb {i}"
+        self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, reader), what)
 
     def _value(self, i: int, name: str) -> Any:
         value = self.values[i][name]

@@ -18,7 +18,7 @@ from . import microbatch
 from .executor import Loss, run_tasks
 from .memory import MemoryReport
 from .schedule import Schedule, Task
-from .task import StageRunner, StepState
+from .task import StageRunner, StepState, accumulate_grads
 from .threads import OUTPUT, Mailbox, Worker, run_on_workers
 from .timeline import Timeline
 
@@ -191,10 +191,7 @@ class _Run:
         self._cuda_peaks()
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        with torch.no_grad():
-            for p, g in zip(self.params, self._param_grads()):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+        accumulate_grads(self.params, self._param_grads())
         return loss.total
 
     def _input_grads(self) -> list[torch.Tensor | None]:

@@ -35,6 +35,14 @@ def differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+@torch.no_grad()
+def accumulate_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    """``pipe.step``: a step's gradients added into ``.grad``, as ``loss.backward()`` would."""
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+
 @dataclass
 class Ambient:
     """The caller's thread-local state (autocast, inference mode, saved-tensor hooks), re-entered in every task.
