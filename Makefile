@@ -20,7 +20,7 @@ demo: install
 	$(VPY) examples/demo.py
 
 test: install
-	$(VPY) -m ruff check autopipe passes tests benchmarks examples
+	$(VPY) -m ruff check autopipe passes tests benchmarks examples zoo
 	$(VPY) -m pytest
 
 bench: install

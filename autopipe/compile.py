@@ -1,8 +1,5 @@
-"""compile() and plan(): one chain of passes (trace -> cost -> partition -> codegen), then a runtime.
-
-``run_passes`` is the only place the passes are chained; compile, plan, the command line and the torchrun
-runtime all call it with one :class:`Options`.
-"""
+"""compile() and plan(): ``run_passes``, the one chain of passes (trace -> cost -> partition -> codegen) that every
+entry point calls with one :class:`Options`, then a runtime."""
 from __future__ import annotations
 
 import os
@@ -128,9 +125,9 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
         with progress.run("partition") as report:
-            plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks,
-                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
-                             notes=notes, pass_seconds=progress.seconds)
+            plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
+                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap)
+            plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
                                          options.virtual_stages, options.optimizer)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"

@@ -30,8 +30,7 @@ def _group(*pieces: Piece) -> Piece:
     return lambda: tuple(get() for get, _ in pieces), set
 
 
-def _attribute(path: str) -> Piece:
-    """``torch.<...>.<attr>``."""
+def _attribute(path: str) -> Piece:  # "torch.<...>.<attr>"
     owner_path, _, attr = path.rpartition(".")
     owner = operator.attrgetter(owner_path.partition(".")[2])(torch)
     hooks = getattr(owner, attr, None)
@@ -164,16 +163,15 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return [name for name in before if name not in after or not _same(before[name], after[name])]
 
 
-class GlobalStateGuard(contextlib.ContextDecorator):
-    """Snapshots torch's global state on entry; on exit, also by exception, puts back whatever changed."""
+class preserved_global_state(contextlib.ContextDecorator):
+    """Snapshots torch's global state on entry; on exit, also by exception, puts back whatever changed; GlobalStateLeak
+    names what could not be (as a note on the block's own exception, if it raised)."""
 
-    def __enter__(self) -> GlobalStateGuard:
+    def __enter__(self) -> preserved_global_state:
         self.before, self.restored = snapshot(), []
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """Put back every piece that differs from ``before``; GlobalStateLeak names those that could not be
-        (a note on the block's own exception, if it raised)."""
         pieces = _pieces_now()
         failures: dict[str, str] = {}
         for _ in range(2):  # a second round for pieces that share state (the old and new TF32 switches)
@@ -193,6 +191,3 @@ class GlobalStateGuard(contextlib.ContextDecorator):
                 raise leak
             if hasattr(error, "add_note"):  # Python >= 3.11
                 error.add_note(f"autopipe.global_state: {leak}")
-
-
-preserved_global_state = GlobalStateGuard

@@ -206,8 +206,6 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
                    chunks: int | None = None, virtual_stages: int = 1, optimizer: str | None = "adam", *,
                    saved: SavedTensors | None = None) -> PredictedMemory:
     """Per stage of ``plan``: parameters, gradients, optimizer state, kept activations and the recompute peak."""
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {[k for k in OPTIMIZER_STATE if k]} or None, got {optimizer!r}")
     saved = saved or saved_tensors(costed)
@@ -218,7 +216,7 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
     n = min(chunks, batch)  # micro-batch i holds rows_i of the figures' rows, as the runtime splits the batch
     fractions = [(batch // n + (i < batch % n)) / rows for i in range(n)]
     recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
-    schedule = _schedule(plan, schedule_name, n, virtual_stages)
+    schedule = Schedule.build(schedule_name, plan.n_stages // virtual_stages, n, virtual_stages)
     stages = []
     for s in plan.stages:
         received = [(name, t) for name in s.inputs if (t := plan.tensors.get(name)) is not None]
@@ -259,19 +257,13 @@ def beside_measured(predicted: PredictedMemory, measured) -> str:
                                       "measured", "meas/pred", "kept in flight pred", "in flight"], tablefmt="simple"))
 
 
-def _schedule(plan: Plan, name: str, chunks: int, virtual_stages: int) -> Schedule:
-    if plan.n_stages % virtual_stages:
-        raise ValueError(f"{plan.n_stages} stages do not split into {virtual_stages} virtual stages per device")
-    return Schedule.build(name, plan.n_stages // virtual_stages, chunks, virtual_stages)
-
-
 def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
                         chunks: int | None = None, virtual_stages: int = 1, *,
                         task_overhead: float | None = None) -> float:
     """The busiest device's forwards, backwards, recomputes and ``task_overhead`` per (stage, micro-batch) task
     (None: DEVICE_FLOPS x (TASK_SECONDS + OP_SECONDS per op)), in the plan's cost units, over (1 - the bubble)."""
     chunks = chunks or plan.chunks
-    schedule = _schedule(plan, schedule_name, chunks, virtual_stages)
+    schedule = Schedule.build(schedule_name, plan.n_stages // virtual_stages, chunks, virtual_stages)
     recomputed = sum(checkpoints(checkpoint, i, chunks) for i in range(chunks))
     flops = sum(s.flops for s in plan.stages)
     per_flop = plan.total_cost / flops if flops else 0.0
@@ -354,8 +346,6 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)``
     gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size;
     "interleaved" runs 2 virtual stages per device."""
-    if bad := [*set(schedules) - set(SCHEDULES), *set(checkpoint_modes) - set(CHECKPOINT_MODES)]:
-        raise ValueError(f"unknown schedule or checkpoint {bad}; choose from {SCHEDULES} and {CHECKPOINT_MODES}")
     auto = chunks is None
     counts = {2 ** k for k in range(batch_size.bit_length())} | {max(batch_size, 1)} if auto else chunks
     counts = [counts] if isinstance(counts, int) else sorted(set(counts))
@@ -385,10 +375,10 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     ideal = (3 * candidates[0].plan.total_cost / n_devices if candidates else 0.0) or 1.0
     least = min(candidates, key=_rank, default=None)  # the fastest that fits, else the smallest peak
     choice = AutoChoice(None, candidates, memory_cap, n_devices, batch_size, ideal, optimizer, unplanned)
-    if least is not None and least.fits:
-        return replace(choice, chosen=least)
     if least is None:
         raise NoFeasiblePlan("no configuration could be planned:\n" + choice.table())
+    if least.fits:
+        return replace(choice, chosen=least)
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
     resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
     raise NoFeasiblePlan(

@@ -24,9 +24,6 @@ class TensorInfo:
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
     batched: bool = True        # dim 0 is the batch (split into micro-batches)
 
-    def micro_batch_shape(self, rows: int) -> tuple[int, ...]:
-        return (rows, *self.shape[1:]) if self.batched and self.shape else self.shape
-
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -84,10 +81,8 @@ class Plan:
 
     @property
     def predicted_speedup(self) -> float:
-        """Over one device: total work / (slowest stage x (M+K-1)/M clock cycles)."""
-        if not self.bottleneck:
-            return 1.0
-        return self.total_cost / (self.bottleneck * (self.chunks + self.n_stages - 1) / self.chunks)
+        """Over one device: total work / slowest stage, times the share of clock cycles not in the bubble."""
+        return float(1 - self.bubble) * self.total_cost / self.bottleneck if self.bottleneck else 1.0
 
     def cut_tensors(self, cut: int) -> list[TensorInfo]:
         """Tensors live across the cut between stage ``cut`` and ``cut + 1``."""
@@ -118,8 +113,11 @@ class Plan:
                   f"{self.predicted_speedup:.2f}x on {self.n_stages} devices "
                   f"(efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
         if self.shared_params:
-            lines.append("shared parameters (one tensor, gradients summed): " + ", ".join(
-                f"{n} in stages {list(s)}" for n, s in self.shared_params.items()))
+            lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(
+                f"{n} in stages {list(s)}" + (f" (on {self.param_devices[n][0]}, replicated to "
+                                              f"{', '.join(map(str, self.param_devices[n][1:]))} each step)"
+                                              if len(self.param_devices[n]) > 1 else "")
+                for n, s in self.shared_params.items()))
         if self.pass_seconds:
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
                          + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
@@ -128,6 +126,17 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    @property
+    def param_devices(self) -> dict[str, tuple[torch.device, ...]]:
+        """Each parameter's and buffer's devices: the first stage using it holds it (compile places it there); a
+        stage on another device runs on a replica refreshed every step (runtime/task.py)."""
+        devices: dict[str, list[torch.device]] = {}
+        for sp in self.stages:
+            for name in sp.params:
+                if sp.device not in devices.setdefault(name, []):
+                    devices[name].append(sp.device)
+        return {name: tuple(d) for name, d in devices.items()}
 
 
 def human_bytes(n: float) -> str:

@@ -332,7 +332,11 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         (twin, (a, k)), loss = _copy(model, (args, kwargs), dtype, mode), loss_fn or default_loss
         if how in ("whole", "loop"):
             pieces = [(a, k)] if how == "whole" else split_target((a, k), sizes)
-            return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
+            # each micro-batch's graph keeps the buffers as it saw them, as with a backward per micro-batch
+            buffers = {b.untyped_storage().data_ptr() for b in twin.buffers()}
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t, lambda t: t):
+                return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
         options = {**compile_kwargs, **({"intra_op_threads": threads} if threads else {})}
         pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, **options)
         try:

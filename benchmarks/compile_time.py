@@ -3,7 +3,7 @@
     python benchmarks/compile_time.py            # real sizes (~1 min on 2 cores)
     python benchmarks/compile_time.py --quick    # tiny smoke test
 
-The models (benchmarks/_common.GPT: d=1024, 16 heads, sequence 1024, vocab
+The models (zoo.GPT, untied, no dropout: d=1024, 16 heads, sequence 1024, vocab
 32768, batch 8) are built under torch.device("meta"), so nothing is allocated
 and nothing runs. Each pass is called directly, as autopipe/compile.py chains
 them, for devices=8 and chunks=32: trace (fx + fake-tensor shapes), cost
@@ -27,6 +27,7 @@ from autopipe.passes.cost import cost  # noqa: E402
 from autopipe.passes.partition import partition  # noqa: E402  (the partition autopipe/compile.py calls)
 from autopipe.passes.trace import trace  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
+from zoo import GPT  # noqa: E402
 
 PASSES = ("trace", "cost", "partition", "codegen")
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     models = {}
     for n in blocks:
         with torch.device("meta"):
-            models[n] = C.GPT(n, d, heads, seq, vocab)
+            models[n] = GPT(vocab, d, heads, n, block=seq, dropout=None, tied=False)
     x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
 
     seconds: dict[int, dict[str, list[float]]] = {n: {k: [] for k in PASSES} for n in blocks}
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
                      info[n]["route"], *(f"{med[k]:.3f}" for k in PASSES), f"{statistics.median(totals):.3f}",
                      f"{info[n]['imbalance']:.3f}"])
     head = C.header("compile_time", [
-        f"models: GPT-style (benchmarks/_common.GPT), d={d}, {heads} heads, sequence {seq}, vocab {vocab}, batch {batch}, "
+        f"models: GPT-style (zoo.GPT, untied, no dropout), d={d}, {heads} heads, sequence {seq}, vocab {vocab}, batch {batch}, "
         f"token ids on meta; built under torch.device('meta')",
         f"passes called directly (autopipe.passes.trace.trace, cost.cost, partition.partition, codegen.codegen), "
         f"devices={K}, chunks={args.chunks}, balance='flops'",

@@ -12,7 +12,7 @@ in-process pipeline's, data parallel, meta models) and tests/runtime/test_p2p.py
 PipelineError naming it; the wire spec sends a skip straight to its reader).
 
 One run, 2 processes spawned on 127.0.0.1 with gloo, ``torch.set_num_threads(1)``
-in every process, ``transformer_like(blocks=4)`` (benchmarks/_models.py), batch
+in every process, ``transformer_like(blocks=4)`` (zoo/models.py), batch
 4096 (128 rows per micro-batch at M=32: the size at which one process runs 32
 micro-batches no slower than the whole batch on this CPU; at batch 1024 it runs
 them 0.81x as fast, and no pipeline can hide that), no checkpointing, split at
@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._models import transformer_like  # noqa: E402
+from zoo import transformer_like  # noqa: E402
 
 VARIANTS = ("1p xM", "2p compute", "pipelining", "pipelining 1f1b", "autopipe", "autopipe 1f1b")
 

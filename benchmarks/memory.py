@@ -46,6 +46,7 @@ import autopipe  # noqa: E402
 from autopipe.plan import human_bytes  # noqa: E402
 from autopipe.runtime.memory import SavedBytes  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
+from zoo import GPT, TransformerBlock  # noqa: E402
 
 MODES = ("never", "except_last", "always")
 TOLERANCE = 0.15  # predicted vs measured peak, per stage
@@ -85,7 +86,7 @@ def measure_layer(d: int, heads: int, seq: int, vocab: int, batch: int = 1) -> L
     """Measure a block, the embeddings and the head on real tensors (batch ``batch``; results per sample)."""
     torch.manual_seed(0)
     small_vocab = min(vocab, 64)  # embedding/head activations do not depend on the vocabulary (logits are not saved)
-    model = C.GPT(1, d, heads, seq, small_vocab)
+    model = GPT(small_vocab, d, heads, layers=1, block=seq, dropout=None, tied=False)
     block = model.blocks[0]
     x = torch.randn(batch, seq, d, requires_grad=True)
     idx = torch.zeros(batch, seq, dtype=torch.long)
@@ -141,7 +142,7 @@ def measured_part(quick: bool):
     layers, d, heads, seq, vocab, N = (2, 32, 2, 16, 64, 32) if quick else (4, 256, 4, 128, 1024, 32)
     M = 32
     torch.manual_seed(0)
-    model = C.GPT(layers, d, heads, seq, vocab)
+    model = GPT(vocab, d, heads, layers, block=seq, dropout=None, tied=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (N, seq), generator=g)
     y = torch.randint(0, vocab, (N, seq), generator=g)
@@ -164,10 +165,10 @@ def measured_part(quick: bool):
     for K in (1, 2):
         for mode in MODES:
             C.progress(f"memory: K={K} M={M} checkpoint={mode}")
-            # GPTBlock kept whole: cuts fall between blocks (a cut inside attention, between qkv.split and its
+            # TransformerBlock kept whole: cuts fall between blocks (a cut inside attention, between qkv.split and its
             # getitems, sends the tuple undetached and breaks the backward; see the report)
             pipe = autopipe.compile(model, devices=["cpu"] * K, chunks=M, checkpoint=mode,
-                                    intra_op_threads=max(1, threads // K), leaf_modules=(C.GPTBlock,),
+                                    intra_op_threads=max(1, threads // K), leaf_modules=(TransformerBlock,),
                                     track_memory=True, example_inputs=(x,))
             out = pipe(x)
             loss_fn(out.flatten(0, 1), y.flatten()).backward()
@@ -189,7 +190,7 @@ def measured_part(quick: bool):
             pipe.close()
             del out
     desc = (f"part 1 (measured): GPT(layers={layers}, d={d}, heads={heads}, seq={seq}, vocab={vocab}), batch {N}, "
-            f"M={M}, one training step (GPTBlock kept whole: leaf_modules); per-block saved activations {C.mib(layer.block_act)} per sample")
+            f"M={M}, one training step (TransformerBlock kept whole: leaf_modules); per-block saved activations {C.mib(layer.block_act)} per sample")
     worst = max(abs(float(r[-1]) - 1) for r in stage_rows)
     desc = [desc,
             f"  per stage, measured vs predicted peak: largest difference {100 * worst:.1f}% "

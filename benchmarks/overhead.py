@@ -5,7 +5,7 @@
 
 One worker (devices=["cpu"]) with as many intra-op threads as the plain run
 (all usable cores), so the only differences are autopipe's runtime and the
-micro-batching. Model: benchmarks/_models.transformer_like(512, 2048, 8)
+micro-batching. Model: zoo.transformer_like(512, 2048, 8)
 with batch 1024 x threads, where running M=8 micro-batches is nearly free on
 CPU (docs/architecture.md, pitfalls: 1.00x at batch 1024 on one thread; measured here,
 2 threads: 1.18x at batch 1024, 1.03x at 2048). A step is zero_grad +
@@ -24,7 +24,7 @@ Targets: chunks=1 <= 1.03x; chunks=8 never <= 1.10x (torchgpipe 1.07x);
 except_last <= 1.30x and always <= 1.38x (torchgpipe's numbers).
 
 Second table, a model of small ops where per-op costs dominate: the GPT of
-tests/models.py (d=64, 8 layers, 4 heads, vocab 64, tied head), batch 8 x
+zoo/models.py (d=64, 8 layers, 4 heads, vocab 64, tied head), batch 8 x
 sequence 32, dropout 0.1 and 0, compiled with devices=1, chunks=1,
 checkpoint="never", intra_op_threads=1 (a TorchFunctionMode around the stage
 once cost it 1.44x the plain step: docs/architecture.md, pitfalls). Measured
@@ -57,9 +57,9 @@ from torch import nn  # noqa: E402
 import autopipe  # noqa: E402
 from autopipe.runtime.task import checkpoints  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
-from benchmarks._models import transformer_like  # noqa: E402
+from zoo import transformer_like  # noqa: E402
 
-SMALL_OP = dict(vocab=64, d=64, heads=4, layers=8, block=32)  # tests/models.py GPT
+SMALL_OP = dict(vocab=64, d=64, heads=4, layers=8, block=32)  # zoo.GPT
 SMALL_OP_BATCH = (8, 32)  # batch x sequence
 
 TARGETS = {  # (variant key) -> (target, torchgpipe's measurement)
@@ -188,7 +188,7 @@ def small_op_table(runs: int) -> str:
             for row in got["rows"]]
     model = ", ".join(f"{k}={v}" for k, v in SMALL_OP.items())
     lines = [
-        f"small-op model: tests/models.py GPT({model}), batch {SMALL_OP_BATCH[0]} x sequence {SMALL_OP_BATCH[1]}, "
+        f"small-op model: zoo.GPT({model}), batch {SMALL_OP_BATCH[0]} x sequence {SMALL_OP_BATCH[1]}, "
         f"{got['params'] / 1e6:.2f} M params, model.train(); autopipe.compile(devices=1, chunks=1, checkpoint='never', "
         f"intra_op_threads=1)",
         f"one process pinned to core {got['cores']} (os.sched_setaffinity before torch starts threads), "
@@ -203,7 +203,7 @@ def small_op_table(runs: int) -> str:
 
 def small_op_child(runs: int) -> int:
     """In the pinned child: time plain vs autopipe; one JSON line on stdout."""
-    from tests.models import GPT
+    from zoo import GPT
 
     torch.set_num_threads(1)
     warmup = 2

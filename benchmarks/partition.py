@@ -5,8 +5,8 @@ other pipeline libraries use (issue 4).
     python benchmarks/partition.py --results-dir /tmp   # a trial run that leaves benchmarks/results alone
 
 Prints one table (also written to benchmarks/results/partition.txt, under a header naming
-the machine) and progress on stderr. Models, all built on the meta device (no memory, no
-compute; nothing here runs a model):
+the machine) and progress on stderr. Models (zoo/models.py), all built on the meta device (no
+memory, no compute; nothing here runs a model):
 
 - gpt-24: GPT-2-medium-like, 24 blocks, d=1024, 16 heads, vocab 50304, sequence 1024,
   batch 8, token + position embedding, LM head tied to the token embedding; K = 2, 4, 8;
@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tabulate import tabulate
 
@@ -60,6 +59,7 @@ from autopipe.passes.cost import CostedGraph, cost  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
 from autopipe.plan import Plan, human_bytes  # noqa: E402
 from benchmarks import _baselines  # noqa: E402
+from zoo import GPT, ViT, ResNet50, RonnebergerUNet  # noqa: E402
 
 try:  # the graph adapter; it moves into passes/partition.py
     from autopipe.passes import _partition_graph as adapter  # noqa: E402
@@ -76,169 +76,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-# ---- models ----------------------------------------------------------------------------------
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int, causal: bool):
-        super().__init__()
-        self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: attention and a 4x GELU MLP, each with a residual."""
-
-    def __init__(self, d: int, heads: int, causal: bool):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads, causal)
-        self.ln_2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    """GPT-2-style decoder: token + position embedding, blocks, final norm, tied LM head."""
-
-    def __init__(self, n_blocks=24, d=1024, heads=16, vocab=50304, seq=1024):
-        super().__init__()
-        self.tok_emb = nn.Embedding(vocab, d)
-        self.pos_emb = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads, causal=True) for _ in range(n_blocks))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok_emb.weight
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1):
-        super().__init__()
-        out = planes * self.expansion
-        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(out)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or inplanes != out:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
-
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        y = self.relu(self.bn1(self.conv1(x)))
-        y = self.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return self.relu(y + identity)
-
-
-class ResNet(nn.Module):
-    """torchvision's ResNet-50 layout (v1.5: stride on the 3x3 conv), written out here."""
-
-    def __init__(self, layers=(3, 4, 6, 3), num_classes=1000):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
-        inplanes, stages = 64, []
-        for i, (planes, count) in enumerate(zip((64, 128, 256, 512), layers)):
-            blocks = []
-            for j in range(count):
-                blocks.append(Bottleneck(inplanes, planes, stride=2 if (i > 0 and j == 0) else 1))
-                inplanes = planes * Bottleneck.expansion
-            stages.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(inplanes, num_classes)
-
-    def forward(self, x):
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-class DoubleConv(nn.Module):
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(x)))
-
-
-class UNet(nn.Module):
-    """Ronneberger et al.'s U-Net (padded convs): each encoder level's output skips to the
-    decoder level of the same resolution."""
-
-    def __init__(self, in_channels=3, classes=2, base=64, levels=4):
-        super().__init__()
-        widths = [base * 2**i for i in range(levels + 1)]
-        self.downs = nn.ModuleList(DoubleConv(c_in, c_out) for c_in, c_out in zip([in_channels] + widths[:-2], widths[:-1]))
-        self.mid = DoubleConv(widths[-2], widths[-1])
-        self.ups = nn.ModuleList(nn.ConvTranspose2d(w, w // 2, 2, stride=2) for w in reversed(widths[1:]))
-        self.decs = nn.ModuleList(DoubleConv(w, w // 2) for w in reversed(widths[1:]))
-        self.out = nn.Conv2d(base, classes, 1)
-
-    def forward(self, x):
-        skips = []
-        for down in self.downs:
-            x = down(x)
-            skips.append(x)
-            x = F.max_pool2d(x, 2)
-        x = self.mid(x)
-        for up, dec, skip in zip(self.ups, self.decs, reversed(skips)):
-            x = dec(torch.cat([skip, up(x)], dim=1))
-        return self.out(x)
-
-
-class ViT(nn.Module):
-    """ViT-B/16: patch embedding, class token, learned positions, pre-norm blocks, head."""
-
-    def __init__(self, image=224, patch=16, d=768, n_blocks=12, heads=12, classes=1000):
-        super().__init__()
-        self.patch_embed = nn.Conv2d(3, d, patch, stride=patch)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
-        self.pos_embed = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, d))
-        self.blocks = nn.ModuleList(Block(d, heads, causal=False) for _ in range(n_blocks))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x):
-        x = self.patch_embed(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x)[:, 0])
+# ---- models (zoo/models.py) --------------------------------------------------------------------
 
 
 @dataclass
@@ -256,14 +94,14 @@ def _on_meta(make_model: Callable[[], nn.Module], *inputs: Callable[[], torch.Te
 
 
 def gpt_case(n_blocks=24, ks=(2, 4, 8), d=1024, heads=16, vocab=50304, seq=1024, batch=8) -> Case:
-    return Case(f"gpt-{n_blocks}", _on_meta(lambda: GPT(n_blocks, d, heads, vocab, seq),
+    return Case(f"gpt-{n_blocks}", _on_meta(lambda: GPT(vocab, d, heads, n_blocks, seq, dropout=None),
                                            lambda: torch.zeros(batch, seq, dtype=torch.long)), ks)
 
 
 CASES = [
     gpt_case(),
-    Case("resnet-50", _on_meta(ResNet, lambda: torch.zeros(32, 3, 224, 224)), (4, 8)),
-    Case("unet", _on_meta(UNet, lambda: torch.zeros(8, 3, 256, 256)), (4, 8)),
+    Case("resnet-50", _on_meta(ResNet50, lambda: torch.zeros(32, 3, 224, 224)), (4, 8)),
+    Case("unet", _on_meta(RonnebergerUNet, lambda: torch.zeros(8, 3, 256, 256)), (4, 8)),
     Case("vit-b/16", _on_meta(ViT, lambda: torch.zeros(32, 3, 224, 224)), (4, 8)),
 ]
 

@@ -3,7 +3,7 @@
     python benchmarks/schedules.py            # K=2, M=8 (~3 min on 2 cores)
     python benchmarks/schedules.py --quick    # tiny smoke test, not a measurement
 
-One model (benchmarks/_models.py transformer_like), one intra-op thread per
+One model (zoo.transformer_like), one intra-op thread per
 device, checkpoint="never", float32, MSE loss. Rows, per schedule:
 
 - autopipe, in-process: ``autopipe.compile(model, devices=2, schedule=...)``, two CPU worker threads;
@@ -43,7 +43,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
-from benchmarks._models import transformer_like  # noqa: E402
+from zoo import transformer_like  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 K = 2

@@ -7,7 +7,7 @@ K CPU workers (K = 1, 2, and 4, 8 where there are that many usable cores),
 ONE intra-op thread each, M micro-batches in {1, 4, 8, 32}, checkpoint="never"
 (plus, at the largest K and M, one row with "except_last" and one with
 balance="time" instead of flops), for a transformer-like and a CNN-like
-model (benchmarks/_models.py). The plain model runs on one thread too.
+model (zoo/models.py). The plain model runs on one thread too.
 All variants of a model are interleaved round by round; numbers are medians.
 
 Columns, per row:
@@ -30,7 +30,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
-from benchmarks._models import cnn_like, transformer_like  # noqa: E402
+from zoo import cnn_like, transformer_like  # noqa: E402
 
 
 def _models(quick: bool, kmax: int):

@@ -39,7 +39,7 @@ class Stage(fx.GraphModule):
         self._header = header
         self.uses_rng = any(n.op == "placeholder" and n.target == "generator" for n in graph.nodes)
         self.cloned_inputs = cloned_inputs
-        self.running_buffers = _running_buffers(self)
+        self.running_buffers, self.written_buffers = _running_buffers(self)
         self.module_aliases = dict(graph._codegen.aliases)  # the modules stay registered under their own names
         for target, alias in self.module_aliases.items():
             self.__dict__[alias] = self.get_submodule(target)
@@ -270,6 +270,13 @@ def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tupl
     if node.op == "call_module":
         if getattr(module_of(target), "inplace", False) is True:
             aliased, written = [first], [first if first is not None else node.kwargs.get("input")]
+    elif isinstance(target, HigherOrderOperator):  # export's no_grad / autocast region: what its subgraph writes
+        at = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+                   and isinstance(module_of(a.target), fx.GraphModule)), None)
+        if at is not None:
+            facts, operands = _GraphFacts(module_of(node.args[at].target)), node.args[at + 1:]
+            places = {p: a for p, a in zip(facts.order, operands) if p.op == "placeholder"}
+            written = [places[facts.base[w]] for ws in facts.writes.values() for w in ws if facts.base[w] in places]
     elif isinstance(target, OpOverload):
         returned = set().union(*(r.alias_info.before_set for r in target._schema.returns if r.alias_info is not None))
         for i, a in enumerate(target._schema.arguments):
@@ -367,16 +374,20 @@ class _GraphFacts:
         return list(writable)
 
 
-def _running_buffers(stage: Stage) -> list[torch.Tensor]:
-    """Training BatchNorms' statistics (also in modules run whole), and buffers written by in-place ops."""
+def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers
+    written by in-place ops; those of them no BatchNorm writes)."""
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
-    facts = _GraphFacts(stage)
-    for base in (facts.base[a] for written in facts.writes.values() for a in written):
-        value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            buffers.append(value)
-    return list({id(b): b for b in buffers}.values())
+    facts, written = _GraphFacts(stage), []
+    for node, args in facts.writes.items():
+        by_norm = node.op != "call_module" and random_ops.op_name(
+            random_ops.resolve(node.target, node.args, node.kwargs)) in _BATCH_NORMS
+        for base in (facts.base[a] for a in args):
+            value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                (buffers if by_norm else written).append(value)
+    return list({id(b): b for b in [*buffers, *written]}.values()), list({id(b): b for b in written}.values())
 
 
 def _where(node: fx.Node) -> str:

@@ -1,8 +1,6 @@
-"""Cost pass: per-node FLOPs, parameter bytes and output bytes (and seconds, if asked).
-
-FLOPs come from torch.utils.flop_counter's shape formulas where the op is known (no dispatch), else from
-FlopCounterMode on fake tensors (a model on meta costs no memory); attention has its own formula (FlopCounterMode
-counts 0 for it on some CPU builds). Uncounted ops (elementwise, norms) weigh one FLOP per output element."""
+"""Cost pass: per-node FLOPs, parameter bytes and output bytes (and seconds, if asked); where the FLOPs come from:
+docs/architecture.md, "Contracts between passes". Uncounted ops (elementwise, norms) weigh one FLOP per output
+element."""
 from __future__ import annotations
 
 import collections

@@ -48,8 +48,6 @@ class NoFeasiblePlan(ValueError):
     """No split fits the memory cap; the message names the most memory-balanced split's stages over it."""
 
 
-
-
 class _Chain:
     """The problem as arrays over cut positions 0..N."""
 
@@ -145,10 +143,6 @@ def _validated_size(problem: CutProblem) -> int:
     if k > n:
         raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: "
                          f"use at most {n} stages")
-    for name in ("out_bytes", "consumers", "replicable", "node_memory"):
-        value = getattr(problem, name)
-        if value is not None and len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries but weights has {n}")
     shared = problem.shared_memory or ()
     fields = ("weights", "out_bytes", "node_memory", "tolerance", "comm_cost_per_byte", "activation_multiplier")
     for name, values in [(f, getattr(problem, f)) for f in fields] + [("shared_memory sizes", [s for s, _ in shared])]:
@@ -157,8 +151,6 @@ def _validated_size(problem: CutProblem) -> int:
             raise ValueError(f"{name} must be finite and non-negative")
     if problem.memory_cap is not None and not problem.memory_cap >= 0:
         raise ValueError(f"memory_cap must be non-negative or None, got {problem.memory_cap!r}")
-    if not all(0 <= i < n for _, nodes in shared for i in nodes):
-        raise ValueError(f"shared_memory names nodes outside 0..{n - 1}")
     return n
 
 

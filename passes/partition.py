@@ -1,9 +1,5 @@
-"""The partition pass: a costed graph -> a CutProblem for passes/cut_solver.py -> a Plan.
-
-Cheap nodes computed from graph inputs and buffers only (masks, position ids) are replicated into each stage
-that reads them; a getitem of a tuple stays with its producer, so only tensors cross cuts; a parameter read
-by two stages (a tied weight) is held by both and listed in Plan.shared_params.
-"""
+"""The partition pass: a costed graph -> a CutProblem for passes/cut_solver.py -> a Plan. Replicated cheap nodes,
+getitems kept with their producers, tied weights: docs/architecture.md, "Contracts between passes"."""
 from __future__ import annotations
 
 import operator
@@ -22,11 +18,8 @@ __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cu
 
 
 def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.device] | None = None, chunks: int = 1,
-              balance: "str | Sequence[float]" = "flops", tolerance: float = 0.03, comm_cost_per_byte: float = 0.0,
-              memory_cap: float | None = None, optimizer_state_multiple: float = 2.0, notes: Sequence[str] = (),
-              pass_seconds: dict[str, float] | None = None) -> Plan:
-    if n_stages < 1:
-        raise ValueError(f"devices must name at least one device (got {n_stages} stages)")
+              balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None,
+              notes: Sequence[str] = ()) -> Plan:
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
@@ -57,19 +50,18 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
         consumers.append(sorted(users - {i}))
         out_bytes.append(sum(costed.costs[m.name].out_bytes for m in crossing))
     shared = None
-    if memory_cap is not None:  # each parameter once per stage that reads it, with its gradient and optimizer state
+    if memory_cap is not None:  # a parameter once per stage that reads it, with its gradient and Adam's two states
         readers: dict[str, set[int]] = {}
         for m, i in index.items():
             for p in costed.costs[m.name].params:
                 readers.setdefault(p, set()).add(i)
-        shared = [(costed.tensor_bytes[p] * (2.0 + optimizer_state_multiple if _is_param(gm, p) else 1.0), sorted(r))
+        shared = [(costed.tensor_bytes[p] * (4.0 if _is_param(gm, p) else 1.0), sorted(r))
                   for p, r in readers.items()]
     weights = [sum(weight_of[m] for m in groups[n]) for n in order]
     if isinstance(balance, str):
         solution = solve_cuts(CutProblem(
             weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
-            comm_cost_per_byte=comm_cost_per_byte, shared_memory=shared, memory_cap=memory_cap,
-            activation_multiplier=float(chunks) if memory_cap is not None else 0.0))
+            shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks)))
         starts, optimum = list(solution.starts), solution.optimum
     else:
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
@@ -78,8 +70,6 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance,
                        optimum, outputs)
     plan.notes.extend(notes)
-    if pass_seconds is not None:
-        plan.pass_seconds = pass_seconds  # the caller's running dict: later passes' seconds join it
     return plan
 
 
@@ -92,9 +82,7 @@ def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
             seen |= fresh
             weights.append(float(sum(costed.tensor_bytes[p] for p in fresh)))
         return weights
-    if balance == "time":
-        if any(costed.costs[n.name].seconds is None for n in nodes):
-            raise ValueError("balance='time' needs measured node times; compile with real example inputs (not meta)")
+    if balance == "time":  # measured by compile, which refuses a meta model first
         return [costed.costs[n.name].seconds for n in nodes]
     return [float(costed.costs[n.name].flops) for n in nodes]
 

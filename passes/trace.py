@@ -13,6 +13,7 @@ import keyword
 import linecache
 import os
 import re
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -147,7 +148,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         if route == "fx":
             raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
-    with preserved_global_state() as guard:
+    with preserved_global_state() as guard, buffers_kept(model):
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
@@ -234,8 +235,65 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
                     or super().is_leaf_module(m, name))
 
     root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
-    traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
+    with _what_fx_cannot_record(model) as lost:
+        traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
+    if lost:
+        raise FxLosesSemantics("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
     return traced
+
+
+class FxLosesSemantics(TraceError):
+    """The model's Python did something an fx graph cannot hold; the export route records it."""
+
+
+_FX_TRACING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _what_fx_cannot_record(model: torch.nn.Module):
+    """fx records only ops on proxies, so two things in a forward vanish from its graph: a grad-mode region
+    (``torch.no_grad()``: its ops would be differentiated) and an in-place op whose arguments are all real tensors
+    (``self.running.mul_(0.9)``: run once, for real, at trace time). Yields what was lost, filled on exit."""
+    tracer_thread, switches, lost = threading.get_ident(), [], []
+    _FX_TRACING.acquire()  # one patch of torch._C._set_grad_enabled at a time
+    set_grad_enabled = torch._C._set_grad_enabled
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
+
+    def recording(mode: bool) -> None:
+        if threading.get_ident() == tracer_thread:
+            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
+            switches.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "")
+        set_grad_enabled(mode)
+
+    tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+               if not t.is_inference()}  # an inference tensor has no version counter
+    versions = {name: t._version for name, t in tensors.items()}
+    torch._C._set_grad_enabled = recording
+    try:
+        yield lost
+    finally:
+        torch._C._set_grad_enabled = set_grad_enabled
+        _FX_TRACING.release()
+    written = [name for name, t in tensors.items() if t._version != versions[name]]
+    if switches:
+        lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
+    if written:
+        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
+                    f"while tracing")
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module):
+    """Puts back every buffer that tracing wrote (fx and export run some ops on real tensors for real)."""
+    saved = [(b, b._version, b.clone()) for b in module.buffers()
+             if b.device.type != "meta" and not b.is_inference()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, version, value in saved:
+                if buffer._version != version:
+                    buffer.copy_(value)
 
 
 @contextlib.contextmanager

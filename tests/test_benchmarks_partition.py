@@ -2,16 +2,12 @@
 the originals' own examples and brute force."""
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _baselines  # noqa: E402
-from benchmarks import partition as bench  # noqa: E402
+from benchmarks import _baselines
+from benchmarks import partition as bench
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +47,7 @@ def test_rows_are_scored_alike(tiny_gpt_rows):
         assert r.step == pytest.approx(plan.bottleneck * (8 + r.k - 1) / 8 / plan.total_cost)
         assert len(r.cut_tensors) == r.k - 1 and all(c >= 1 for c in r.cut_tensors)
     dp = next(r for r in tiny_gpt_rows if r.k == 4 and r.method == "layer DP")
-    assert sum(dp.layers_per_stage) == 8  # tok_emb, pos_emb, 4 blocks, ln_f, head
+    assert sum(dp.layers_per_stage) == 8  # wte, wpe, 4 blocks, ln_f, lm_head
 
 
 def test_layers_look_through_containers():

@@ -40,3 +40,24 @@ def test_benchmark_quick_prints_its_table(name, tmp_path):
     written = tmp_path / f"{name}-quick.txt"  # --quick never overwrites the real results
     assert written.read_text().strip() == out.strip()
     assert "wrote" in r.stderr  # progress goes to stderr, the table to stdout
+
+
+def test_gpu_benchmark_tiny_on_cpu_workers(tmp_path):
+    """benchmarks/gpu.py measures on a GPU; ``--device cpu --tiny`` runs the whole script on CPU workers."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    written = tmp_path / "gpu_smoke.txt"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny", "--out", str(written)],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.startswith("# autopipe benchmark: gpu"), out[:300]
+    head = "\n".join(line for line in out.splitlines() if line.startswith("#"))
+    for field in ("date:", "machine:", "torch ", "gpu: none", "overhead at K=1, M=1"):
+        assert field in head, f"header lacks {field!r}"
+    assert re.search(r"^-+(  -+)+$", out, re.M), "no tabulate table in the output"
+    for header in ("model", "K", "M", "ms/step", "vs plain", "bubble meas/pred", "overlap", "peak GiB"):
+        assert header in out, f"column {header!r} missing"
+    for model in ("transformer", "cnn"):  # the plain row and K in {1, 2, 4} x M in {1, 4, 8}
+        assert len(re.findall(rf"^{model}  ", out, re.M)) == 10, model
+    assert written.read_text().strip() == out.strip()
+    assert "wrote" in r.stderr

@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import autopipe
-from models import build, random_inputs, scalar_loss, tensor_leaves
+from zoo import GPT, build, random_inputs, scalar_loss, tensor_leaves
 
 MODELS = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs"]
 
@@ -73,15 +73,16 @@ def test_gradients_land_on_the_models_own_parameters_and_optimizer_trains():
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     target = torch.randn(16, 4)
-    losses = []
+    pipe_losses, plain_losses = [], []
     for _ in range(5):
-        for net, optimizer in ((pipe, opt), (plain, opt_plain)):
+        for net, optimizer, losses in ((pipe, opt, pipe_losses), (plain, opt_plain, plain_losses)):
             loss = torch.nn.functional.mse_loss(net(*args), target)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+            losses.append(loss.item())
+    assert pipe_losses == pytest.approx(plain_losses, rel=1e-5)
+    assert pipe_losses[-1] < pipe_losses[0]
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     state = model.state_dict()
@@ -233,7 +234,7 @@ def test_save_code_writes_one_file_per_stage(tmp_path):
 
 def test_plan_a_48_block_gpt_on_meta_without_allocating():
     with torch.device("meta"):
-        model = __import__("models").GPT(vocab=50304, d=1024, heads=16, layers=48, block=256)
+        model = GPT(vocab=50304, d=1024, heads=16, layers=48, block=256)
     x = torch.empty(8, 256, dtype=torch.long, device="meta")
     plan = autopipe.plan(model, (x,), devices=8, chunks=32)
     assert plan.n_stages == 8 and plan.imbalance < 1.2

@@ -1,6 +1,5 @@
 """Issue 13's failure classes, each on a real model: the plain model's gradients, or a clear refusal."""
 import copy
-import threading
 
 import pytest
 import torch
@@ -8,8 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-import zoo
-from models import GPT, MLP
+from zoo import GPT, MLP, ZOO
 
 
 def flat_loss(out):
@@ -59,14 +57,16 @@ def as_double(example):
 # -- 1. global state --------------------------------------------------------------------------
 
 def test_compile_leaves_grad_mode_on_for_rope_models_and_backward_works():
-    model, args, kwargs = zoo.llama()
+    model, args, kwargs = ZOO["llama"]()
+    plain = copy.deepcopy(model)
+    plain(**kwargs).logits.sum().backward()
     assert torch.is_grad_enabled()
     pipe = autopipe.compile(model, devices=2, chunks=4, example_kwargs=kwargs)
     assert torch.is_grad_enabled(), "compile switched gradients off"
     out = pipe(**kwargs)
     assert out.logits.requires_grad
     out.logits.sum().backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert max_relative(grads_of(model), grads_of(plain)) <= 1e-5  # float32, summed over 4 micro-batches
 
 
 def test_compile_leaves_global_state_even_when_tracing_raises():
@@ -78,7 +78,7 @@ def test_compile_leaves_global_state_even_when_tracing_raises():
 
     x = torch.randn(2, 2)
     rng = torch.get_rng_state()
-    with pytest.raises(Exception):
+    with pytest.raises(autopipe.TraceError, match=r"could not trace Untraceable(.|\n)*RuntimeError: no"):
         autopipe.compile(Untraceable(), devices=1, chunks=1, example_inputs=(x,))
     assert torch.is_grad_enabled()
     assert torch.get_default_dtype() == torch.float32
@@ -89,7 +89,7 @@ def test_compile_leaves_global_state_even_when_tracing_raises():
 
 @pytest.mark.parametrize("name", ["t5", "bart"])
 def test_recompute_reproduces_the_forward_bit_for_bit_in_float32(name):
-    model, args, kwargs = zoo.__dict__[name]()
+    model, args, kwargs = ZOO[name]()
     results = {}
     for mode in ("never", "always", "except_last"):
         results[mode] = pipeline_step(model, args, kwargs, devices=4, chunks=4, checkpoint=mode, intra_op_threads=1)
@@ -102,7 +102,7 @@ def test_recompute_reproduces_the_forward_bit_for_bit_in_float32(name):
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_in_place_activations_after_a_cut_match_the_plain_model_in_float64(devices):
-    model, args, kwargs = as_double(zoo.mobilenet_v3())
+    model, args, kwargs = as_double(ZOO["mobilenet_v3"]())
     plain = plain_step(copy.deepcopy(model), args, kwargs)
     for mode in ("never", "always", "except_last"):
         got = pipeline_step(model, args, kwargs, devices=devices, chunks=4, checkpoint=mode)
@@ -114,7 +114,7 @@ def test_in_place_activations_after_a_cut_match_the_plain_model_in_float64(devic
 @pytest.mark.parametrize("batch", [8, 7])  # 7: a ragged last micro-batch, traced at its own size
 def test_batch_specialising_unet_pipelines_at_static_micro_batch_sizes(batch):
     pytest.importorskip("diffusers")
-    model, (x, t), _ = as_double(zoo.unet_diffusers())
+    model, (x, t), _ = as_double(ZOO["unet_diffusers"]())
     x = x[:batch]
     plain = plain_step(copy.deepcopy(model), (x, t), {})
     pipe = autopipe.compile(model, devices=2, chunks=4)
@@ -205,8 +205,14 @@ def test_saved_tensors_hooks_run_for_every_stage_like_the_plain_model():
     with torch.autograd.graph.saved_tensors_hooks(counting("pipe"), lambda t: t):
         pipe(x).sum().backward()
     assert counts["pipe"] == counts["plain"] > 0
-    with torch.autograd.graph.save_on_cpu():  # activation offloading runs
+    model.zero_grad()
+    model(x).sum().backward()
+    expected = grads_of(model)
+    model.zero_grad()
+    with torch.autograd.graph.save_on_cpu():  # activation offloading runs, and gives the plain model's gradients
         pipe(x).sum().backward()
+    for n, g in grads_of(model).items():
+        torch.testing.assert_close(g, expected[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_inference_mode_and_autocast_cache_carry_over():
@@ -228,8 +234,8 @@ def test_profiler_trace_of_a_step_shows_the_stages_ops():
     with torch.profiler.profile() as prof:
         pipe(x).sum().backward()
     names = {e.name for e in prof.events()}
+    # the stages' ops are in the trace: the step ran on the profiled thread (the profiler records no other)
     assert "aten::addmm" in names or "aten::linear" in names, sorted(names)[:20]
-    assert "autopipe-device" not in " ".join(t.name for t in threading.enumerate()) or True
 
 
 def test_user_torch_function_mode_sees_the_stages_ops():

@@ -1,10 +1,12 @@
 """Unmodified Hugging Face models (small configs, random weights, no downloads) through autopipe.compile:
 outputs and every gradient equal the plain model's; stage code stays readable."""
+import math
+
 import pytest
 import torch
 
 import autopipe
-from models import UNet, tensor_leaves
+from zoo import UNet, tensor_leaves
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,7 +104,6 @@ def test_gpt2_trains_with_dropout_through_the_pipeline():
     model, inputs = gpt2()
     model.train()
     pipe = autopipe.compile(model, devices=2, chunks=4)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     runs = []
     for _ in range(2):
@@ -119,7 +120,7 @@ def test_gpt2_trains_with_dropout_through_the_pipeline():
     # Seeded reproducibility is asserted bitwise on our own GPT (tests/test_compile.py). For GPT-2 it
     # held in every run but one of ~30, under heavy load, where the first losses differed by 1e-4
     # relative: an open issue (see the closing note); here only that training runs and learns.
-    assert all(loss == loss for run in runs for loss in run)
+    assert all(math.isfinite(loss) for run in runs for loss in run), runs
     assert runs[0][-1] < runs[0][0] and runs[1][-1] < runs[1][0]
 
 

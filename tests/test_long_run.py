@@ -6,7 +6,7 @@ import psutil
 import torch
 
 import autopipe
-from models import MLP
+from zoo import MLP
 
 
 def test_a_thousand_steps_leak_nothing():

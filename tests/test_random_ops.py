@@ -133,9 +133,11 @@ def test_call_with_generator_refuses_a_kernel_it_cannot_route():
 
     with pytest.raises(UnroutedRandomOp, match="_scaled_dot_product_flash_attention_for_cpu"):
         random_ops.call_with_generator(fused, torch.Generator(), torch.randn(1, 1, 3, 2))
-    # with no dropout it draws nothing, and runs
-    random_ops.call_with_generator(lambda q: aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0),
-                                   torch.Generator(), torch.randn(1, 1, 3, 2))
+    # with no dropout it draws nothing, and runs as without a generator
+    q = torch.randn(1, 1, 3, 2)
+    got = random_ops.call_with_generator(lambda q: aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0)[0],
+                                         torch.Generator(), q)
+    assert torch.equal(got, aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0)[0])
 
 
 def test_aten_routes():

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import autopipe
-from models import MLP, build
+from zoo import MLP, build
 
 
 def autopipe_threads():

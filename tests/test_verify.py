@@ -2,6 +2,7 @@
 compute the model, and nothing of the caller's touched."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.verify import GRAD_FLOOR, STRUCTURE_TOLERANCE, Row, VerifyReport, default_loss, micro_batch_sizes
-from models import build, random_inputs
+from zoo import build, random_inputs
 
 
 # -- PASS: the test models, in the modes that matter ---------------------------------------------
@@ -143,30 +144,48 @@ def test_randomness_from_the_models_own_generator_fails():
     assert "layers.0.weight" in str(report)
 
 
-class RunningCentre(nn.Module):
-    """Centres by a running mean it updates in its own forward (a registered buffer, not BatchNorm)."""
+class RunningScale(nn.Module):
+    """Scales by a running mean of |h| it updates under no_grad in its own forward (a buffer, not BatchNorm): each
+    micro-batch's backward needs the scale its forward saw, which later micro-batches overwrite in place."""
 
     def __init__(self):
         super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.register_buffer("running", torch.zeros(8))
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
 
     def forward(self, x):
         h = self.a(x)
         if self.training:
             with torch.no_grad():
-                self.running.mul_(0.9).add_(0.1 * h.mean(0))
-        return self.b(h - self.running)
+                self.scale.mul_(0.9).add_(0.1 * h.abs().mean(0))
+        return self.b(h * self.scale)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_forward_that_writes_a_buffer_it_reads_gets_the_micro_batch_loops_gradients(checkpoint):
+    """fx would lose the no_grad region and the write (the export route keeps both); each task's graph keeps the
+    buffer as its forward saw it, and a recompute starts from that value."""
+    torch.manual_seed(0)
+    model, x = RunningScale().train(), torch.randn(16, 8)
+    report = autopipe.verify(model, (x,), devices=2, chunks=4, checkpoint=checkpoint)
+    assert report.passed, report
+    assert torch.equal(model.scale, torch.full((8,), 2.0))  # verify ran copies
+    twin = copy.deepcopy(model).double()
+    pipe = autopipe.compile(twin, devices=2, chunks=4, checkpoint=checkpoint)
+    pipe(x.double()).sum().backward()
+    for part in x.double().chunk(4):  # the loop a user would write: a backward per micro-batch
+        model.double()(part).sum().backward()
+    assert torch.allclose(twin.scale, model.scale, rtol=0, atol=1e-12)
+    assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12) for p, q in zip(twin.parameters(), model.parameters()))
 
 
 def test_a_forward_that_updates_and_reads_its_buffers_counts_as_deterministic():
     from autopipe.verify import DETERMINISTIC, IRREPRODUCIBLE, _randomness
     torch.manual_seed(0)
     x = torch.randn(8, 8)
-    model = RunningCentre().train()
+    model = RunningScale().train()
     assert _randomness(model, (x,), {}) == DETERMINISTIC
-    assert torch.equal(model.running, torch.zeros(8))  # on a copy
+    assert torch.equal(model.scale, torch.full((8,), 2.0))  # on a copy
     assert _randomness(Annealed(), (x,), {}) == IRREPRODUCIBLE
 
 

@@ -1,4 +1,4 @@
-"""The model zoo (tests/zoo.py) through autopipe.verify: one training step through the pipeline equals the
+"""The model zoo (zoo/thirdparty.py) through autopipe.verify: one training step through the pipeline equals the
 plain model's (float64, tolerance 1e-10) and re-materialisation replays the forward bit for bit.
 
 A known failure goes in KNOWN (marked xfail(strict=False), with the error verify reported); none is open.

@@ -1,11 +1,8 @@
-"""The pipeline under torchrun: rank r of a replica holds stages r, r+K, ...; see docs/architecture.md, "Runtime".
-
-Pipeline x data parallel: with world = K x D ranks, replica p holds ranks p*K .. p*K+K-1; a stage's gradients
-are averaged over its D replicas, and a parameter shared by two stages (tied embeddings) has its gradient summed
-over the ranks of one replica that hold it (Megatron-LM's embedding group).
-"""
+"""The pipeline under torchrun: rank r of a replica holds stages r, r+K, ...; data parallel over D replicas of K ranks
+and tied weights: docs/architecture.md, "Under torchrun"."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -16,12 +13,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from . import microbatch
 from .executor import Loss
 from .p2p import P2PTransport, PipelineError
-from .pipeline import model_loss
+from .pipeline import Pipeline, model_loss
 from .schedule import Schedule
 from .task import StageRunner, StepState, accumulate_grads
 from .wire import WireSpec
@@ -35,14 +31,13 @@ def running_under_torchrun() -> bool:
     return dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _refuse_cuda(named_values) -> None:
-    """Refuse a CUDA tensor now, rather than fail deep in the gloo transport or train a GPU model on the CPU."""
-    for what, value in named_values:
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-            raise NotImplementedError(
-                f"{what} is on {value.device}: autopipe's torchrun runtime runs CPU stages over gloo; CUDA stages "
-                f"over NCCL are not supported yet. Keep the model and inputs on the CPU (or build the model on "
-                f"meta), or use one process with autopipe.compile(model, devices=[...cuda devices...]).")
+def _rank_device(model: torch.nn.Module) -> torch.device:
+    """Where this rank's stages run: where the user put the model (the CPU for a model on meta)."""
+    found = {t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "meta"}
+    if len(found) > 1:
+        raise ValueError(f"{type(model).__name__} has tensors on {sorted(map(str, found))}: under torchrun each "
+                         f"rank runs its stages on one device; move the model there first (model.to(device))")
+    return found.pop() if found else torch.device("cpu")
 
 
 def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -57,8 +52,7 @@ class DistributedPipeline(torch.nn.Module):
                  timeout: float = 300.0, deferred_batch_norm: bool = False):
         super().__init__()
         object.__setattr__(self, "model", model)
-        _refuse_cuda((f"model tensor {n!r}", t) for n, t in itertools.chain(model.named_parameters(),
-                                                                             model.named_buffers()))
+        options = dataclasses.replace(options, devices=(_rank_device(model),) * len(options.devices))
         if not dist.is_initialized():
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=max(timeout, 60)))
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
@@ -116,10 +110,7 @@ class DistributedPipeline(torch.nn.Module):
             mine = {k: v for k, v in state_dict.items() if k in stage.state_dict()}
             stage.load_state_dict(mine, strict=strict, assign=assign)
 
-    def train(self, mode: bool = True):
-        self.model.train(mode)
-        self.training = mode
-        return self
+    train = Pipeline.train  # the model's own mode
 
     def __repr__(self) -> str:
         return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, "
@@ -131,7 +122,6 @@ class DistributedPipeline(torch.nn.Module):
             self._transport.close()
 
     def compile_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        _refuse_cuda((f"input {i}", t) for i, t in enumerate(pytree.tree_leaves((args, kwargs))))
         compiled = self._run_passes(self.model, args, kwargs, self.options, before_codegen=self._materialize)
         if len(compiled.programs) > 1:
             raise NotImplementedError("this model specialises on the batch size and the batch does not divide into "
@@ -153,11 +143,7 @@ class DistributedPipeline(torch.nn.Module):
         self._program = program
 
     def _materialize(self, plan) -> None:
-        """A model built on meta: create and initialise only this rank's parameters and buffers.
-
-        Tensors are swapped by identity in every module that holds them, so tied weights stay tied. Only the
-        module of a tensor's first (canonical) name is reset, with a generator seeded by that name, so a tied
-        weight initialises identically on every rank."""
+        """A model built on meta: create and initialise only this rank's tensors (architecture.md, "Meta models")."""
         fresh: dict[int, torch.Tensor] = {}
         owners: dict[str, None] = {}  # the modules to reset, in order
         for name in (name for s in self.stage_indices for name in plan.stages[s].params):

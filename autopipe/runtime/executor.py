@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .schedule import Task
 from .task import StageRunner, StepState
@@ -50,8 +51,11 @@ class Loss:
     def run(self, i: int, transport: Transport) -> None:
         leaves = [v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                   else v for v in transport.finals(i)]
+        device = next((v.device for v in leaves if isinstance(v, torch.Tensor)), None)
+        target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and device else t,
+                                 self.targets[i])  # on the last stage's device, which the caller need not know
         with torch.enable_grad():
-            loss = self.fn(self.rebuild(leaves), self.targets[i])
+            loss = self.fn(self.rebuild(leaves), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("pipe.step needs loss_fn to return a scalar tensor "
                                 f"(got {type(loss).__name__} {getattr(loss, 'shape', '')})")

@@ -1,8 +1,5 @@
-"""The memory report: bytes each stage keeps between forward and backward, and its peak.
-
-On CPU there is no allocator to ask: saved_tensors_hooks (thread-local, so each worker counts its own
-stage) count what autograd saves, parameters excluded. On CUDA the peak is torch.cuda.max_memory_allocated.
-"""
+"""The memory report: bytes each stage keeps between forward and backward, and its peak; how they are counted:
+docs/architecture.md, "Memory report"."""
 from __future__ import annotations
 
 import threading

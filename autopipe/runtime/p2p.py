@@ -1,15 +1,8 @@
-"""The torch.distributed transport: each cross-cut value sent point to point to the rank that reads it.
-
-Design: docs/architecture.md, "Runtime"; failure handling measured in notes/distributed.md. Tags are unique
-per (edge, micro-batch, direction), which gloo matches on; receives from a peer are posted in the order the peer
-posts its sends, which NCCL would match on.
-A failing rank writes its report to the store key ``failed`` (the first one wins), wakes every rank's watchdog
-and poisons its own gloo context, so every peer blocked on it fails at once and raises PipelineError.
-"""
+"""The torch.distributed transport: each cross-cut value sent point to point to the rank that reads it. Tags,
+posting order and failure reports: docs/architecture.md, "Under torchrun"; measured in notes/distributed.md."""
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -36,7 +29,7 @@ class _CommError(RuntimeError):
 def _sum(parts: Sequence[Any]) -> Any:
     """The sum of the parts that are not None, in the order given (bitwise reproducible); None if none."""
     present = [g for g in parts if g is not None]
-    return functools.reduce(operator.add, present) if present else None
+    return functools.reduce(lambda a, b: a + b.to(a.device), present) if present else None
 
 
 class P2PTransport(Transport):
@@ -141,15 +134,12 @@ class P2PTransport(Transport):
         at, reads = self.needs[(kind, stage, i)]
         for task in self.order[at:at + 1 + LOOKAHEAD]:
             for message in self.needs[(task.kind, task.stage, task.micro_batch)][1]:
-                peer = self._sender(message)
+                edge = self._edges[message[1]]
+                peer = (edge.src if message[0] == "F" else message[3]) % self.world
                 while message not in self.posted:
                     self._post_receive(peer, self.peer_sends[peer][self.cursor[peer]])
                     self.cursor[peer] += 1
         self._wait([self.posted.pop(m) for m in reads])  # a work is waited on once
-
-    def _sender(self, message: tuple) -> int:
-        edge = self._edges[message[1]]
-        return (edge.src if message[0] == "F" else message[3]) % self.world
 
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
@@ -183,7 +173,9 @@ class P2PTransport(Transport):
         return [self._value(i, n) for n in self.spec.graph_outputs]
 
     def send_final_grads(self, i: int, grads: list) -> None:
-        self.final_grads[i] = dict(zip(self.spec.graph_outputs, grads))
+        self.final_grads[i] = {}
+        for name, g in zip(self.spec.graph_outputs, grads):  # a value the model returns twice: one sum
+            self.final_grads[i][name] = _sum([self.final_grads[i].get(name), g])
 
     def output_grads(self, stage: int, i: int) -> list:
         """The loss's gradient (last stage), then each reader stage's, in stage order: a fixed sum."""
@@ -239,6 +231,8 @@ class P2PTransport(Transport):
     def _post(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> tuple[Any, int, str]:
         """Post one send to (or receive from) rank ``peer``: (work, peer, what it is)."""
         what = f"send {what} to rank {peer}" if send else f"receive {what} from rank {peer}"
+        if tensor.device.type != "cpu":  # gloo moves host memory: a CUDA stage's values go through the host
+            tensor = tensor.cpu()
         try:
             return (self.group.send if send else self.group.recv)([tensor], peer, tag), peer, what
         except RuntimeError as err:

@@ -6,6 +6,7 @@ gradients summed in a fixed order (docs/architecture.md, "Runtime": why not one 
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from .executor import Loss, run_tasks
 from .memory import MemoryReport
 from .schedule import Schedule, Task
 from .task import StageRunner, StepState, accumulate_grads
-from .threads import OUTPUT, Mailbox, Worker, run_on_workers
+from .threads import Mailbox, Worker, run_on_workers
 from .timeline import Timeline
 
 
@@ -111,8 +112,7 @@ class _PipelineFunction(torch.autograd.Function):
 class _Run:
     """One mini-batch through the pipeline."""
 
-    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int],
-                 params: list[torch.nn.Parameter], training: bool):
+    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int], training: bool):
         self.pipe = pipe
         self.compiled = compiled
         self.batch = flat[0].shape[0]
@@ -132,24 +132,30 @@ class _Run:
         self.runners_all = list({id(r): r for p in self.programs for r in p.runners}.values())
         for r in self.runners_all:
             r.start_step()
-        self.params = params  # the autograd Function's inputs, in this order
         pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
+        # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
+        # its tasks, with the same numerics and no hand-off between threads.
+        workers = pipe.workers
+        alone = len(workers) == 1 and workers[0].device.type == "cpu" and \
+            workers[0].intra_op_threads == torch.get_num_threads()
+        self.inline = alone or bool(self.state.ambient.inline_reason)
+
+    @functools.cached_property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters: the autograd Function's inputs, in this order."""
+        return self.compiled.trainable()
 
     def _runner(self, task: Task) -> StageRunner:
         return self.programs[task.micro_batch].runners[task.stage]
 
     def _execute(self, schedule: Schedule, kinds: str, loss: Loss | None = None, inline: bool = False) -> None:
-        state, mailbox, workers = self.state, self.mailbox, self.pipe.workers
-        # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
-        # its tasks, with the same numerics and no hand-off between threads.
-        alone = len(workers) == 1 and workers[0].device.type == "cpu" and \
-            workers[0].intra_op_threads == torch.get_num_threads()
-        if inline or alone or state.ambient.inline_reason:
+        state, mailbox = self.state, self.mailbox
+        if inline or self.inline:
             run_tasks(self.pipe.orders(schedule, kinds, inline=True)[0], self._runner, mailbox, state, loss)
             return
         jobs = [lambda order=order: run_tasks(order, self._runner, mailbox, state, loss)
                 for order in self.pipe.orders(schedule, kinds)]
-        run_on_workers(workers, jobs, mailbox)
+        run_on_workers(self.pipe.workers, jobs, mailbox)
 
     def _note_peaks(self) -> None:
         """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
@@ -165,10 +171,10 @@ class _Run:
                 for name in self.compiled.plan.graph_outputs]
 
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        for name, grad in zip(self.compiled.plan.graph_outputs, grad_outputs):
-            like = self.mailbox.value(0, name)
-            for i, g in enumerate(microbatch.split_grad(grad, like, self.sizes)):
-                self.mailbox.contribute(i, name, OUTPUT, g)
+        parts = [microbatch.split_grad(grad, self.mailbox.value(0, name), self.sizes)
+                 for name, grad in zip(self.compiled.plan.graph_outputs, grad_outputs)]
+        for i in range(self.chunks):
+            self.mailbox.send_final_grads(i, [p[i] for p in parts])
         # The autograd engine runs CUDA backward on one thread per device: issuing each stage's
         # backward from the engine thread lets the devices overlap there, as in torchgpipe.
         inline = any(s.device.type == "cuda" for s in self.compiled.stages)
@@ -204,8 +210,8 @@ class _Run:
             if all(p is None for p in parts):
                 grads.append(None)
                 continue
-            rows = microbatch.split([self.flat[k]], [name], self.sizes)
-            parts = [p if p is not None else torch.zeros_like(r[0]) for p, r in zip(parts, rows)]
+            rows = microbatch.split([self.flat[k]], [name], self.sizes)  # each part on the input's device
+            parts = [torch.zeros_like(r[0]) if p is None else p.to(r[0].device) for p, r in zip(parts, rows)]
             grads.append(sum(parts) if self.flat[k].dim() == 0 else torch.cat(parts))
         return grads
 
@@ -217,6 +223,8 @@ class _Run:
                 if g is not None:
                     g = g if g.device == p.device else g.to(p.device)
                     totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
+            # no reference left here: the engine's AccumulateGrad takes each gradient as .grad without a copy
+            runner.param_grads = [None] * len(runner.params)
         return [totals.get(id(p)) for p in self.params]
 
 
@@ -246,6 +254,7 @@ class Pipeline(torch.nn.Module):
         self.track_memory = track_memory
         self._build = build
         self._compiled: dict[Any, Compiled] = {}
+        self._seen: dict[tuple, Compiled] = {}  # calls of tensors only that passed _prepare's checks
         self._current: Compiled | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._orders: dict[tuple, list[list[Task]]] = {}
@@ -341,24 +350,35 @@ class Pipeline(torch.nn.Module):
         return (self.model.training, spec, shapes)
 
     def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:
+        # a call of tensors only, like one that passed every check below: its compiled program again
+        seen = None if kwargs or not all(type(a) is torch.Tensor for a in args) else \
+            (self.model.training, tuple((a.shape[1:], a.dtype, a.device) for a in args))
+        compiled = self._seen.get(seen) if seen is not None else None
+        if compiled is not None:
+            self._current = compiled
+            sizes = microbatch.micro_batch_sizes(args[0].shape[0], self.chunks)
+            if compiled.covers(sizes):
+                return compiled, list(args), sizes
         compiled = self.compile_for(args, kwargs)
         flat = compiled.traced.flat_inputs(args, kwargs)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.chunks)
         if not compiled.covers(sizes):  # traced at static micro-batch sizes: trace the new ones
             compiled.programs.update(self._build(args, kwargs).programs)
         self._check_inputs(compiled, flat)
+        if seen is not None and len(flat) == len(args) and all(f is a for f, a in zip(flat, args)):
+            self._seen[seen] = compiled
         return compiled, flat, sizes
 
     def forward(self, *args, **kwargs):
         compiled, flat, sizes = self._prepare(args, kwargs)
-        params = compiled.trainable() if torch.is_grad_enabled() else []
-        training = bool(params) or (torch.is_grad_enabled() and any(t.requires_grad for t in flat))
+        training = torch.is_grad_enabled() and (any(p.requires_grad for p in compiled.parameters) or
+                                                any(t.requires_grad for t in flat))
         if training and self.schedule_name != "gpipe":
             raise RuntimeError(f"schedule={self.schedule_name!r} interleaves forward and backward, so it needs the "
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
-        run = _Run(self, compiled, flat, sizes, params, training)
-        outputs = _PipelineFunction.apply(run, *flat, *params) if training else run.forward()
+        run = _Run(self, compiled, flat, sizes, training)
+        outputs = _PipelineFunction.apply(run, *flat, *run.params) if training else run.forward()
         return compiled.traced.rebuild_output(list(outputs))
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
@@ -369,7 +389,7 @@ class Pipeline(torch.nn.Module):
         ``loss_fn(model(x), target)`` for a mean-reduced loss. Without ``loss_fn`` the model's
         output must be (or hold, as ``.loss``) a scalar loss. Gradients accumulate into ``.grad``."""
         compiled, flat, sizes = self._prepare(args, kwargs)
-        run = _Run(self, compiled, flat, sizes, compiled.trainable(), training=True)
+        run = _Run(self, compiled, flat, sizes, training=True)
         if loss_fn is None:
             loss_fn = model_loss
         targets = microbatch.split_target(target, run.sizes)

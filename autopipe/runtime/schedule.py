@@ -1,9 +1,5 @@
-"""Schedules as tables of clock cycles of (stage, micro-batch, F|B) tasks; see docs/architecture.md, "Runtime".
-
-GPipe: Huang et al. 2019, fig. 2c. 1F1B (PipeDream-flush) and interleaved 1F1B: Narayanan et al. 2021
-(Megatron-LM sec. 2.2). Device orders follow torch.distributed.pipelining.schedules (Schedule1F1B,
-ScheduleInterleaved1F1B); cycles are the earliest each task can run with unit-time tasks (`_pack`).
-"""
+"""Schedules as tables of clock cycles of (stage, micro-batch, F|B) tasks; see docs/architecture.md, "Schedules".
+GPipe: Huang et al. 2019, fig. 2c; 1F1B and interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM sec. 2.2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +33,7 @@ def _one_f_one_b(forwards: list[Task], backwards: list[Task], warmup: int) -> li
 
 
 def _interleavable(n_devices: int, chunks: int) -> bool:
-    """torch's rule: micro-batches split into max(1, M // K) equal rounds."""
+    """torch's rule, Megatron's M % K == 0 relaxed: micro-batches split into max(1, M // K) equal rounds."""
     return chunks % max(1, chunks // n_devices) == 0
 
 
@@ -50,7 +46,7 @@ class Schedule:
     cycles: tuple[tuple[Task, ...], ...]   # tasks that may run at the same clock cycle
 
     @classmethod
-    def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> "Schedule":
+    def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> Schedule:
         """All forwards, then all backwards in reverse: stage j runs forward i at clock i + j."""
         backwards = range(chunks - 1, -1, -1) if backward else ()
         orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards]
@@ -58,7 +54,7 @@ class Schedule:
         return cls._pack("gpipe", n_stages, n_stages, chunks, orders)
 
     @classmethod
-    def one_f_one_b(cls, n_stages: int, chunks: int) -> "Schedule":
+    def one_f_one_b(cls, n_stages: int, chunks: int) -> Schedule:
         """PipeDream-flush: K-d-1 warm-up forwards on device d (Megatron's `num_warmup_microbatches`), then
         F,B pairs, then the remaining backwards; at most K-d micro-batches in flight. With M < K it is GPipe."""
         orders = [_one_f_one_b([Task(d, i, "F") for i in range(chunks)], [Task(d, i, "B") for i in range(chunks)],
@@ -66,11 +62,10 @@ class Schedule:
         return cls._pack("1f1b", n_stages, n_stages, chunks, orders)
 
     @classmethod
-    def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> "Schedule":
+    def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> Schedule:
         """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches
         through the device's v stages, backwards the same from the last stage; warm-up (v-1)*per_round +
-        2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs. torch relaxes Megatron's M % K == 0 to
-        M % max(1, M // K) == 0."""
+        2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs; M as `_interleavable`."""
         K, v, M = n_devices, virtual_stages, chunks
         if K < 1 or M < 1:
             raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
@@ -91,7 +86,7 @@ class Schedule:
         return cls._pack("interleaved", K * v, K, M, orders)
 
     @classmethod
-    def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> "Schedule":
+    def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> Schedule:
         """By name: 'gpipe' | '1f1b' (one stage per device) | 'interleaved' (virtual_stages >= 2)."""
         if name not in NAMES:
             raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
@@ -103,8 +98,7 @@ class Schedule:
         return cls.gpipe(n_devices, chunks) if name == "gpipe" else cls.one_f_one_b(n_devices, chunks)
 
     @classmethod
-    def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int,
-              orders: Sequence[Sequence[Task]]) -> "Schedule":
+    def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int, orders: Sequence[Sequence[Task]]) -> Schedule:
         """Per-device orders -> clock cycles: each device starts its next task at the first cycle after
         that task's inputs are done. Raises if the orders deadlock, so no worker can hang on them."""
         done: set[Task] = set()
@@ -135,17 +129,14 @@ class Schedule:
     def stages_on(self, device: int) -> list[int]:
         return list(range(device, self.n_stages, self.n_devices))
 
-    def device_order(self, device: int) -> list[Task]:
-        """The order the worker of `device` runs its tasks in."""
+    def device_order(self, device: int) -> list[Task]:  # the order its worker runs them in
         return [t for cycle in self.cycles for t in cycle if self.device_of(t.stage) == device]
 
     def stage_order(self, stage: int) -> list[Task]:
         return [t for cycle in self.cycles for t in cycle if t.stage == stage]
 
-    def forward_only(self) -> "Schedule":
+    def forward_only(self) -> Schedule:
         """The same device orders without backwards, re-packed (inference / no-grad steps)."""
-        if not any(t.kind == "B" for c in self.cycles for t in c):
-            return self
         orders = [[t for t in self.device_order(d) if t.kind == "F"] for d in range(self.n_devices)]
         return self._pack(self.name, self.n_stages, self.n_devices, self.chunks, orders)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
@@ -56,15 +58,13 @@ class Ambient:
 
     @classmethod
     def capture(cls) -> "Ambient":
-        from torch.overrides import _get_current_function_mode_stack
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         reason = None
         if torch._C._autograd._profiler_enabled():
             reason = "a profiler is active"
         elif _get_current_function_mode_stack() or _get_current_dispatch_mode_stack():
             reason = "a TorchFunctionMode/TorchDispatchMode is active"
         return cls(
-            autocast={d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")},
+            autocast={d: (True, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)},
             autocast_cache=torch.is_autocast_cache_enabled(),
             inference=torch.is_inference_mode_enabled(),
             saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
@@ -107,11 +107,25 @@ class StepState:
         return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
 
 
-def _leaf(x: Any, needs_grad: bool) -> Any:
-    """A stage input as a leaf of the task's own autograd graph."""
+@contextlib.contextmanager
+def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
+    """Module tables (``_parameters``, ``_buffers``) pointing at stand-ins for one task: ``(table, name, original,
+    stand_in)``. The user's modules hold their own tensors again afterwards."""
+    for table, name, _, stand_in in slots:
+        table[name] = stand_in
+    try:
+        yield
+    finally:
+        for table, name, original, _ in slots:
+            table[name] = original
+
+
+def _leaf(x: Any, needs_grad: bool, device: torch.device) -> Any:
+    """A stage input as a leaf of the task's own autograd graph, on the stage's device (a transport delivers values
+    where they were made, or received: the host for gloo)."""
     if not isinstance(x, torch.Tensor):
         return x
-    x = x.detach()
+    x = x.detach() if x.device == device else x.detach().to(device, non_blocking=device.type == "cuda")
     return x.requires_grad_() if needs_grad and differentiable(x) else x
 
 
@@ -119,6 +133,7 @@ def _leaf(x: Any, needs_grad: bool) -> Any:
 class _Saved:
     inputs: list
     outputs: list | None   # None: dropped, to be recomputed
+    state: list | None = None  # the written buffers as this forward found them, for the recompute
 
 
 @dataclass
@@ -134,7 +149,23 @@ class StageRunner:
         unique = {id(p): p for p in self.stage.parameters()}
         self.params = list(unique.values())
         self.generator = torch.Generator(device=self.stage.device) if self.stage.uses_rng else None
-        self.param_ids = {p.untyped_storage().data_ptr() for p in self.params}
+        self.state = list(self.stage.written_buffers)  # not BatchNorm's statistics, which training never reads
+        where = {id(b): k for k, b in enumerate(self.state)}
+        self._state_slots = [(m._buffers, name, where[id(b)]) for m in self.stage.modules()
+                             for name, b in m._buffers.items() if id(b) in where]
+        # a tied weight (or shared buffer) placed on another stage's device: a replica here, refreshed every step;
+        # its gradient goes to the user's Parameter (pipeline.py sums the stages' gradients on its device)
+        self.replicas: dict[int, torch.Tensor] = {}
+        self._replica_slots = []
+        for table in (t for m in self.stage.modules() for t in (m._parameters, m._buffers)):
+            for name, t in table.items():
+                if t is not None and t.device != self.stage.device and id(t) not in where:
+                    if id(t) not in self.replicas:
+                        replica = torch.empty_like(t, device=self.stage.device)
+                        self.replicas[id(t)] = replica.requires_grad_(t.requires_grad)
+                    self._replica_slots.append((table, name, t, self.replicas[id(t)]))
+        self.wrt_params = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
+        self.param_ids = {p.untyped_storage().data_ptr() for p in self.wrt_params}
         self.saved: dict[int, _Saved] = {}
         self.param_grads: list[torch.Tensor | None] = []
         self._owned: list[bool] = []  # param_grads[k] is a sum this runner made, safe to add to in place
@@ -144,6 +175,10 @@ class StageRunner:
         return self.stage.index
 
     def start_step(self) -> None:
+        if self._replica_slots:
+            with torch.no_grad():
+                for _, _, original, replica in self._replica_slots:
+                    replica.copy_(original, non_blocking=True)
         self.saved.clear()
         self.param_grads = [None] * len(self.params)
         self._owned = [False] * len(self.params)
@@ -151,12 +186,18 @@ class StageRunner:
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
         """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
-        inputs = [_leaf(x, g and step.training) for x, g in zip(inputs, needs_grad)]
+        inputs = [_leaf(x, g and step.training, self.stage.device) for x, g in zip(inputs, needs_grad)]
         keep = step.training and not step.recomputes(i)
-        with step.timeline.span(self.index, i, "forward"):
+        private = step.training and step.deferred is None  # deferred BatchNorm knows the buffers by identity
+        state = [b.clone() for b in self.state] if private and self.state and not keep else None
+        copies = [b.clone() for b in self.state] if private else []
+        with step.timeline.span(self.index, i, "forward"), self._own_state(copies):
             outputs = self._run(step, i, inputs, first=True)
+        with torch.no_grad():
+            for buffer, copy in zip(self.state, copies):
+                buffer.copy_(copy)
         if step.training:
-            self.saved[i] = _Saved(inputs, outputs if keep else None)
+            self.saved[i] = _Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
 
     def rematerialise(self, step: StepState, i: int) -> None:
@@ -164,15 +205,31 @@ class StageRunner:
         saved = self.saved[i]
         if saved.outputs is None:
             with step.timeline.span(self.index, i, "recompute"):
-                snapshot = [(b, b.clone()) for b in self.stage.running_buffers] if self.stage.training else []
-                saved.outputs = self._run(step, i, saved.inputs, first=False)
+                own = {id(b) for b in self.state} if saved.state is not None else set()
+                snapshot = [(b, b.clone()) for b in self.stage.running_buffers if id(b) not in own] \
+                    if self.stage.training else []
+                with self._own_state(saved.state or []):
+                    saved.outputs = self._run(step, i, saved.inputs, first=False)
                 # Running statistics move once per micro-batch, in the forward. Through .data: the
                 # recompute's graph saved these buffers, and a tracked write would fail its backward.
                 for buffer, before in snapshot:
                     buffer.data.copy_(before)
 
+    def _own_state(self, copies: list):
+        """The written buffers swapped for ``copies`` while a task runs: its graph saves its own copy, which no
+        later micro-batch writes, and a recompute runs on a copy of the value its forward started from."""
+        return _swapped([(table, name, self.state[k], copies[k]) for table, name, k in self._state_slots] if copies
+                        else [])
+
     def _run(self, step: StepState, i: int, inputs: list, first: bool) -> list:
-        stage = self.stage
+        stage, a = self.stage, step.ambient
+        if not (a.autocast or a.saved_tensors_hooks or a.inference or self._replica_slots or step.deferred or step.memory
+                or stage.device.type != "cpu"):  # nothing to re-enter: ~60 us a task less on a small GPT
+            with torch.set_grad_enabled(step.training):
+                if self.generator is None:
+                    return list(stage(*inputs))
+                self.generator.manual_seed(task_seed(step.seed, stage.index, i))
+                return list(stage(*inputs, generator=self.generator))
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(step.training))
             if step.ambient.inference and not step.training:
@@ -180,6 +237,8 @@ class StageRunner:
             if stage.device.type == "cuda":
                 stack.enter_context(torch.cuda.device(stage.device))
             step.ambient.enter(stack, stage.device)
+            if self._replica_slots:
+                stack.enter_context(_swapped(self._replica_slots))
             if step.deferred is not None and stage.running_buffers:
                 stack.enter_context(DeferredBatchNorm(step.deferred, accumulate=first))
             counter = None
@@ -214,7 +273,7 @@ class StageRunner:
         input_grads: list = [None] * len(saved.inputs)
         if not roots or not (wrt_inputs or wrt_params):
             return input_grads
-        wrt = [saved.inputs[k] for k in wrt_inputs] + [self.params[k] for k in wrt_params]
+        wrt = [saved.inputs[k] for k in wrt_inputs] + [self.wrt_params[k] for k in wrt_params]
         with step.timeline.span(self.index, i, "backward"), contextlib.ExitStack() as stack:
             if self.stage.device.type == "cuda":
                 stack.enter_context(torch.cuda.device(self.stage.device))

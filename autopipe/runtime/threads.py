@@ -129,7 +129,10 @@ class Mailbox(Transport):
             self.contribute(i, name, stage, g)
 
     def send_final_grads(self, i: int, grads: list) -> None:
+        summed: dict[str, torch.Tensor | None] = {}  # a value the model returns twice gets one gradient
         for name, g in zip(self.programs[i].plan.graph_outputs, grads):
+            summed[name] = g if summed.get(name) is None else summed[name] if g is None else summed[name] + g
+        for name, g in summed.items():
             self.contribute(i, name, OUTPUT, g)
 
     def contribute(self, i: int, name: str, who: int, grad: torch.Tensor | None) -> None:

@@ -30,7 +30,6 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, stage: int, micro_batch: int, kind: str) -> Iterator[None]:
-        """Times one task: ``with timeline.span(stage, mb, "forward"): ...``."""
         start = time.perf_counter()
         try:
             yield

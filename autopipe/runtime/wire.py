@@ -1,8 +1,6 @@
-"""What travels between ranks, read from the Plan, so identical on every rank; see docs/architecture.md, "Runtime".
-
-Shapes come from the plan, so a step exchanges payload only; a hash of the spec is compared once at start-up
-(a mismatch would otherwise surface as a size error mid-step). Python ints and sizes travel as int64 tensors.
-"""
+"""What travels between ranks, read from the Plan, so identical on every rank (docs/architecture.md, "Under
+torchrun"): a step exchanges payload only, and a hash of the spec compared once at start-up catches a mismatch
+that would otherwise surface as a size error mid-step."""
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +26,9 @@ class Edge:
         """Gradients flow back; a reader whose input got none sends zeros, so messages never depend on data."""
         return self.info.kind == "tensor" and (self.info.dtype.is_floating_point or self.info.dtype.is_complex)
 
-    def empty(self, rows: int) -> torch.Tensor:
-        return torch.empty(self.info.micro_batch_shape(rows), dtype=self.info.dtype)
+    def empty(self, rows: int) -> torch.Tensor:  # a micro-batch of ``rows``
+        shape = self.info.shape
+        return torch.empty((rows, *shape[1:]) if self.info.batched and shape else shape, dtype=self.info.dtype)
 
     def to_wire(self, value: Any) -> torch.Tensor:
         if self.info.kind == "tensor":

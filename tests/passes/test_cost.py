@@ -1,6 +1,8 @@
 """passes/cost.py: shape formulas agree with torch.utils.flop_counter.FlopCounterMode on real modules."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -140,7 +142,11 @@ def test_measured_seconds_leave_running_statistics_alone():
     x = torch.randn(8, 4)
     traced = trace(model, (x,), route="fx")
     before = model[1].running_mean.clone(), int(model[1].num_batches_tracked)
+    start = time.perf_counter()
     timed = cost(traced, measure_inputs=[x])
-    assert all(c.seconds is not None and c.seconds >= 0 for c in timed.costs.values())
+    elapsed = time.perf_counter() - start
+    seconds = [c.seconds for c in timed.costs.values()]
+    assert len(seconds) == 2  # the Linear and the BatchNorm, each timed running on x
+    assert all(s > 0 for s in seconds) and sum(seconds) <= elapsed, (seconds, elapsed)
     assert torch.equal(model[1].running_mean, before[0]) and int(model[1].num_batches_tracked) == before[1]
     assert all(c.seconds is None for c in cost(traced).costs.values())

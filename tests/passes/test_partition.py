@@ -140,3 +140,13 @@ def test_memory_cap_too_small_names_the_stage_over_it():
 def test_more_stages_than_operations_is_a_clear_error():
     with pytest.raises(ValueError, match="only 4 operations to spread over them; use at most 4 devices"):
         partition(costed(Chain(skip=False), torch.randn(4, 8)), 5)
+
+
+def test_a_tied_weight_on_two_devices_is_held_by_the_first_and_replicated_to_the_other():
+    """Placement is decided on the plan, with no GPU needed: compile puts the tensor on its first stage's device and
+    the runtime gives a stage on another device a replica (gradients summed onto the one Parameter)."""
+    devices = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]
+    plan = partition(costed(Tied(), torch.randint(0, 32, (4, 6))), 3, devices=devices)
+    assert plan.param_devices["emb.weight"] == (torch.device("cuda", 0), torch.device("cuda", 1))
+    assert plan.param_devices["body.1.weight"] == (devices[stage_of(plan)["body_1"]],)
+    assert "emb.weight in stages [0, 2] (on cuda:0, replicated to cuda:1 each step)" in str(plan)

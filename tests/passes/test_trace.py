@@ -152,7 +152,7 @@ class LeavesGradOff(nn.Module):
         self.linear = nn.Linear(3, 3)
 
     def forward(self, x):
-        torch.set_grad_enabled(False)  # runs while fx traces: a leak into the caller
+        torch.set_grad_enabled(False)  # runs while the model is traced: a leak into the caller
         return self.linear(x)
 
 
@@ -168,7 +168,7 @@ class ChangesDtypeThenFails(nn.Module):
 def test_trace_puts_back_what_the_models_python_changed():
     model = LeavesGradOff()
     before = snapshot()
-    traced = trace(model, (torch.ones(2, 3),), route="fx")
+    traced = trace(model, (torch.ones(2, 3),))
     assert torch.is_grad_enabled()
     assert differences(before, snapshot()) == []
     assert any("grad mode" in note for note in traced.notes)
@@ -216,3 +216,45 @@ def test_diffusers_unet_traces_at_a_static_batch(rows):
     got, want = _run(traced, part, t), model(part, t)
     assert type(got) is type(want)
     torch.testing.assert_close(got.sample, want.sample, rtol=0, atol=1e-12)
+
+
+# -- what an fx graph cannot hold -----------------------------------------------------------------------
+
+class RunningScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            self.scale.mul_(0.9).add_(0.1 * h.abs().mean(0))
+        return h * self.scale
+
+
+
+class DecaysItsBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("decay", torch.ones(3))
+
+    def forward(self, x):
+        self.decay.mul_(0.5)  # every argument a real tensor or constant: fx runs it while tracing
+        return x * self.decay
+
+
+@pytest.mark.parametrize("model, lost", [(RunningScale(), "switches grad mode"),
+                                         (DecaysItsBuffer(), "writes decay in place")])
+def test_fx_route_refuses_what_its_graph_would_lose_and_export_keeps_it(model, lost):
+    """fx records neither a no_grad region nor an in-place op on a buffer with constant arguments (it runs that
+    op for real at trace time): its graph would differentiate the region and drop the write."""
+    x = torch.randn(4, 8 if isinstance(model, RunningScale) else 3)
+    buffers = [b.clone() for b in model.buffers()]
+    with pytest.raises(TraceError, match=lost):
+        trace(model, (x,), route="fx")
+    traced = trace(model, (x,))
+    assert traced.route == "export" and any(lost in note for note in traced.notes)
+    assert all(torch.equal(b, before) for b, before in zip(model.buffers(), buffers))  # tracing wrote nothing
+    graph = traced.graph_module.print_readable(print_output=False)
+    assert "mul_" in graph

@@ -15,15 +15,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root: zoo/
 import autopipe  # noqa: E402
-from models import GPT  # noqa: E402
+from zoo import GPT  # noqa: E402
 
 OUT_DIR = "."
 
 
 class SkipGPT(GPT):
-    """tests/models.py's GPT with a long skip (the embeddings, added again before the final norm:
+    """zoo.GPT with a long skip (the embeddings, added again before the final norm:
     made on the first stage, read by the last) and an early model output (a statistic of the token
     embeddings, made on the first stage and read by no later stage)."""
 
@@ -178,6 +178,8 @@ def main():
         if scenario == "dp":
             replica = rank // (world // data_parallel)
             ids, target = ids.chunk(data_parallel)[replica], target.chunk(data_parallel)[replica]
+        device = os.environ.get("DEVICE", "cpu")  # a CUDA model: its stages run there, messages go via the host
+        model, ids, target = model.to(device), ids.to(device), target.to(device)
         pipe = autopipe.compile(model, chunks=4, checkpoint=os.environ.get("CHECKPOINT", "except_last"),
                                 schedule=os.environ.get("SCHEDULE", "gpipe"),
                                 virtual_stages=int(os.environ.get("VIRTUAL_STAGES", "1")),
@@ -188,7 +190,7 @@ def main():
             loss = pipe.step(ids, target=target, loss_fn=lm_loss)
             losses.append(None if loss is None else loss.item())
             if step == 0:
-                grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+                grads = {n: p.grad.cpu() for n, p in pipe.named_parameters() if p.grad is not None}
                 pipe.zero_grad()
         torch.save({"grads": grads, "losses": losses, "stage": pipe.stage_index, "plan": str(pipe.plan),
                     "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
@@ -221,9 +223,10 @@ def main():
         pipe = autopipe.compile(model, chunks=2, example_inputs=(torch.randint(0, 64, (4, 16)),))
         on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         mine = [n for n, p in pipe.named_parameters()]
-        loss = pipe.step(torch.randint(0, 64, (4, 16)), target=torch.randint(0, 64, (4, 16)), loss_fn=lm_loss)
+        ids, target = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+        loss = pipe.step(ids, target=target, loss_fn=lm_loss)
         torch.save({"on_meta": on_meta, "mine": mine, "loss": None if loss is None else loss.item(),
-                    "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+                    "state": pipe.state_dict(), "batch": (ids, target)}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     import torch.distributed as dist

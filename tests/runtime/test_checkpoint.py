@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autopipe
-from models import build, random_inputs, scalar_loss
+from zoo import build, random_inputs, scalar_loss
 
 RECOMPUTED = {"never": set(), "except_last": {0, 1, 2}, "always": {0, 1, 2, 3}}
 

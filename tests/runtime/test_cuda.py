@@ -1,11 +1,67 @@
-"""The CUDA path (streams, device placement, inline backward): runs where a GPU is, skips cleanly elsewhere."""
+"""The CUDA path (streams, device placement, inline backward): runs where a GPU is, skips cleanly elsewhere.
+
+Issue 14's checks, each against the plain model on the same GPU: several stages on one GPU, tied weights, an
+export-route transformers model traced on the CPU, dropout re-materialised bit for bit, bf16 autocast, CPU
+inputs to a model on the GPU. float32 runs without TF32 (the fixture below), so the pipeline and the plain model
+differ only by the order of float32 sums (a micro-batch's GEMMs pick other kernels than the whole batch's).
+"""
+import copy
+import re
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autopipe
-from models import build, random_inputs, scalar_loss
+from zoo import GPT, ZOO, build, random_inputs, scalar_loss, tensor_leaves
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = "cuda:0"
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_gpu(model):
+    """The model moved to the GPU, and a deep copy of it there: the plain reference (ties are kept)."""
+    model = model.to(CUDA)
+    return model, copy.deepcopy(model)
+
+
+def assert_close(got, want, rtol, atol, what=""):
+    """``torch.testing.assert_close`` with ``atol`` relative to the largest ``|want|``."""
+    scale = want.detach().abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol * max(scale, 1e-12), msg=lambda m: f"{what}: {m}")
+
+
+def assert_grads_match(model, reference, rtol=1e-3, atol=1e-4):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: a gradient the plain model does not have"
+            continue
+        assert p.grad is not None, f"{name}: no gradient"
+        assert p.grad.device == q.grad.device, f"{name}: gradient on {p.grad.device}, plain model's on {q.grad.device}"
+        assert_close(p.grad, q.grad, rtol, atol, name)
+
+
+def relative_error(got, want) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def tokens(batch=8, seq=16, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "unet"])
@@ -33,9 +89,158 @@ def test_stages_on_cuda_match_the_plain_model(name):
     assert torch.cuda.max_memory_allocated("cuda:0") >= high
 
 
-def test_torchrun_runtime_refuses_a_cuda_model_before_any_process_group(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; nothing may connect before the refusal
-    model = build("mlp").cuda()
-    with pytest.raises(NotImplementedError, match=r"on cuda:0: .*CPU stages over gloo"):
-        autopipe.compile(model, chunks=2)
-    assert not torch.distributed.is_initialized()
+def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_path):
+    """torchrun with a CUDA model: each rank's stages run on the GPU, messages go through host memory (gloo), so
+    two processes can share the one GPU. Same seeds, same CUDA generators: the in-process pipeline's gradients."""
+    from test_distributed import gpt_batch, launch, lm_loss
+    run = launch("gpt", 2, tmp_path, DEVICE=CUDA, CHECKPOINT="always")
+    assert run.codes == [0, 0], run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ids, target = (t.to(CUDA) for t in gpt_batch())
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train().to(CUDA)
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint="always")
+    torch.manual_seed(100)
+    loss = pipe.step(ids, target=target, loss_fn=lm_loss)
+    assert results[-1]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
+    for r in results:
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(name).grad.cpu(), rtol=1e-4, atol=1e-5)
+
+
+# -- issue 14 ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "unet"])
+def test_four_stages_on_one_gpu_match_the_plain_model(name):
+    model, reference = on_gpu(build(name).eval())
+    args, _ = random_inputs(name, 8, torch.Generator().manual_seed(0))
+    args = [a.to(CUDA) for a in args]
+    pipe = autopipe.compile(model, devices=[CUDA] * 4, chunks=4, example_inputs=args)
+    assert [str(s.device) for s in pipe.stages] == [CUDA] * 4
+    for step in range(2):  # the second step reuses the workers, the stages and the gradients' buffers
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        out, ref = pipe(*args), reference(*args)
+        assert out.device == ref.device
+        assert_close(out, ref, 1e-4, 1e-4, f"output, step {step}")
+        scalar_loss(out).backward()
+        scalar_loss(ref).backward()
+        assert_grads_match(model, reference)
+    ran = {(e.stage, e.kind) for e in pipe.timeline.events}
+    assert {(s, k) for s in range(4) for k in ("forward", "backward")} <= ran
+
+
+def test_tied_embedding_and_head_on_two_stages_of_one_gpu():
+    torch.manual_seed(0)
+    model, reference = on_gpu(GPT(dropout=None, tied=True))
+    ids, targets = (t.to(CUDA) for t in tokens())
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_inputs=(ids,))
+    assert pipe.plan.shared_params == {"wte.weight": (0, 1)}  # the embedding on stage 0, the LM head on stage 1
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        out, ref = pipe(ids), reference(ids)
+        assert_close(out, ref, 1e-4, 1e-4, f"logits, step {step}")  # step 1: after one update of the one tensor
+        lm_loss(out, targets).backward()
+        lm_loss(ref, targets).backward()
+        assert_grads_match(model, reference)
+        opt.step()
+        ref_opt.step()
+    assert model.lm_head.weight is model.wte.weight
+    assert_close(model.wte.weight, reference.wte.weight, 1e-4, 1e-4, "wte.weight after two updates")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_export_route_model_traced_on_the_cpu_runs_on_the_gpu(name):
+    pytest.importorskip("transformers")
+    model, _, kwargs = ZOO[name]()  # on the CPU, eval(): export writes device=cpu into the graph it traces
+    reference = copy.deepcopy(model).to(CUDA)
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_kwargs=kwargs)
+    assert pipe.plan.route == "export" and "traced by export" in str(pipe.plan)
+    for stage in pipe.stages:
+        assert stage.device == torch.device(CUDA)
+        lines = [line for line in stage.code.splitlines() if not line.lstrip().startswith("#")]  # the header names it
+        literals = [line.strip() for line in lines if re.search(r"cpu|cuda", line)]  # also aten's *_for_cpu ops
+        assert not literals, f"stage {stage.index} names a device: {literals}"
+        left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.device != torch.device(CUDA)]
+        assert not left, f"stage {stage.index} holds tensors off the GPU: {left}"
+    kwargs = {k: v.to(CUDA) for k, v in kwargs.items()}
+    out, ref = pipe(**kwargs), reference(**kwargs)
+    assert type(out) is type(ref)
+    for k, (got, want) in enumerate(zip(tensor_leaves(out), tensor_leaves(ref), strict=True)):
+        assert got.device == want.device
+        assert_close(got, want, 1e-4, 1e-4, f"output {k}")
+    scalar_loss(out).backward()
+    scalar_loss(ref).backward()
+    assert_grads_match(model, reference)
+
+
+def test_dropout_recompute_is_bit_for_bit_on_the_gpu():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = GPT(dropout=0.1).to(CUDA).train()
+    ids, targets = (t.to(CUDA) for t in tokens())
+    outs, grads, pipes = {}, {}, {}
+    # The math attention kernel: the memory-efficient kernel's backward sums with atomics, so two runs of the
+    # same backward may differ in the last bit whatever autopipe does.
+    with sdpa_kernel(SDPBackend.MATH):
+        for mode in ("never", "always"):
+            pipes[mode] = pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint=mode,
+                                                  example_inputs=(ids,))
+            assert all(s.uses_rng for s in pipe.stages)  # dropout draws from the task's CUDA generator
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            out = pipe(ids)
+            lm_loss(out, targets).backward()
+            outs[mode], grads[mode] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert torch.equal(outs["always"], outs["never"])
+        for n, g in grads["never"].items():
+            assert torch.equal(grads["always"][n], g), f"{n}: the recomputed forward differs from the first"
+        torch.manual_seed(2)  # and dropout did draw: another seed, other masks
+        with torch.no_grad():
+            assert not torch.equal(pipes["always"](ids), outs["always"])
+
+
+def test_bf16_autocast_around_the_step_reaches_every_stage():
+    torch.manual_seed(0)
+    model, reference = on_gpu(GPT(dropout=None))
+    ids, targets = (t.to(CUDA) for t in tokens())
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_inputs=(ids,))
+    results = []
+    for fn in (pipe, reference):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(ids)
+            loss = lm_loss(out, targets)
+        loss.backward()
+        results.append((out, loss))
+    (out, loss), (ref, ref_loss) = results
+    assert out.dtype == ref.dtype == torch.bfloat16  # the last stage's Linear ran under autocast
+    assert relative_error(out, ref) < 2e-2, relative_error(out, ref)
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad.dtype == q.grad.dtype == torch.float32, n
+        assert relative_error(p.grad, q.grad) < 5e-2, (n, relative_error(p.grad, q.grad))
+    with torch.no_grad():  # autocast stayed with that call: the workers do not keep it
+        assert pipe(ids).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_cpu_inputs_to_a_model_on_the_gpu(name):
+    model, reference = on_gpu(build(name).eval())
+    args, _ = random_inputs(name, 8, torch.Generator().manual_seed(0))  # on the CPU, as a DataLoader gives them
+    float_input = args[0].is_floating_point()
+    x = args[0].clone().requires_grad_(float_input)
+    x_ref = args[0].clone().requires_grad_(float_input)
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4)  # compiles on its first call, with the CPU input
+    out = pipe(x)
+    ref = reference(x_ref.to(CUDA))
+    assert out.device == torch.device(CUDA)  # the last stage's device, as the plain model's output
+    assert_close(out, ref, 1e-4, 1e-4, "output")
+    scalar_loss(out).backward()
+    scalar_loss(ref).backward()
+    assert_grads_match(model, reference)
+    if float_input:  # the input's gradient comes back to the CPU, as through the plain model's x.to("cuda")
+        assert x.grad is not None and x.grad.device.type == "cpu"
+        assert_close(x.grad, x_ref.grad, 1e-3, 1e-4, "input gradient")

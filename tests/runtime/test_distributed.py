@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
-from models import GPT
+from zoo import GPT
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
@@ -153,7 +153,14 @@ def test_meta_model_materialises_only_this_ranks_parameters(tmp_path):
     for r in results:
         assert set(r["mine"]).isdisjoint(r["on_meta"])  # its own: real
         assert r["on_meta"]  # the other rank's: still on meta, never allocated here
-    assert results[1]["loss"] is not None and results[1]["loss"] == results[1]["loss"]
     # tied weights were initialised identically on both ranks
     torch.testing.assert_close(results[0]["state"]["wte.weight"], results[1]["state"]["lm_head.weight"]
                                if "lm_head.weight" in results[1]["state"] else results[1]["state"]["wte.weight"])
+    # the loss is the plain model's, with the weights the two ranks materialised
+    state = {**results[1]["state"], **results[0]["state"]}
+    state["lm_head.weight"] = state["wte.weight"]
+    plain = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0)
+    plain.load_state_dict(state)
+    (ids, _), (_, target) = results[0]["batch"], results[1]["batch"]
+    assert results[0]["loss"] is None  # the loss is on the last rank
+    assert results[1]["loss"] == pytest.approx(lm_loss(plain(ids), target).item(), rel=1e-5)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
-from models import GPT, MLP
+from zoo import GPT, MLP
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
@@ -92,3 +92,27 @@ def test_pipeline_refuses_to_be_moved_as_a_whole():
     pipe = autopipe.compile(MLP(), devices=2, chunks=2)
     with pytest.raises(RuntimeError, match="placement"):
         pipe.to(torch.float64)
+
+
+class ReturnsOneTensorTwice(torch.nn.Module):
+    """As Hugging Face models do: last_hidden_state and hidden_states[-1] are one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+
+    def forward(self, x):
+        h = self.layers(x)
+        return {"last": h, "all": (x, h)}
+
+
+def test_a_tensor_returned_twice_gets_both_gradients():
+    model, x = ReturnsOneTensorTwice().double(), torch.randn(8, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    out = plain(x)
+    (out["last"].sum() + 2 * out["all"][1].sum()).backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    out = pipe(x)
+    (out["last"].sum() + 2 * out["all"][1].sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)

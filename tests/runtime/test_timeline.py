@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autopipe
-from models import build
+from zoo import build
 
 
 def test_timeline_records_every_task_and_prints(tmp_path):
@@ -24,7 +24,7 @@ def test_timeline_records_every_task_and_prints(tmp_path):
     with open(tl.save_chrome_trace(tmp_path / "trace.json")) as f:
         trace = json.load(f)
     assert sum(1 for e in trace["traceEvents"] if e["ph"] == "X") == len(tl.events)
-    assert 0.0 <= tl.measured_bubble < 1.0
+    assert 0.0 < tl.measured_bubble < 1.0  # 3 devices: the later ones wait for the first forward
 
 
 @pytest.mark.parametrize("schedule, virtual_stages", [("1f1b", 1), ("interleaved", 2)])

@@ -1,4 +1,4 @@
-"""A model zoo for autopipe.verify: architectures people train, each from a tiny config with random weights.
+"""Architectures people train, each from a tiny config with random weights (for autopipe.verify: tests/test_zoo.py).
 
 Every factory takes no arguments and returns ``(model, example_args, example_kwargs)``, seeded, no downloads.
 Configs are tiny (hidden 32, 2 layers, sequences of 16, images of 32x32, batch 8) so that one
@@ -267,7 +267,7 @@ def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
-class ResBlock(nn.Module):
+class TimeResBlock(nn.Module):
     def __init__(self, cin: int, cout: int, temb: int):
         super().__init__()
         self.norm1 = nn.GroupNorm(4, cin)
@@ -293,15 +293,15 @@ class TimestepUNet(nn.Module):
         self.c = c
         self.time_mlp = nn.Sequential(nn.Linear(c, temb), nn.SiLU(), nn.Linear(temb, temb))
         self.inc = nn.Conv2d(3, c, 3, padding=1)
-        self.down1 = ResBlock(c, c, temb)
+        self.down1 = TimeResBlock(c, c, temb)
         self.pool1 = nn.Conv2d(c, c, 3, stride=2, padding=1)
-        self.down2 = ResBlock(c, 2 * c, temb)
+        self.down2 = TimeResBlock(c, 2 * c, temb)
         self.pool2 = nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1)
-        self.mid = ResBlock(2 * c, 2 * c, temb)
+        self.mid = TimeResBlock(2 * c, 2 * c, temb)
         self.up2 = nn.ConvTranspose2d(2 * c, 2 * c, 2, stride=2)
-        self.dec2 = ResBlock(4 * c, c, temb)
+        self.dec2 = TimeResBlock(4 * c, c, temb)
         self.up1 = nn.ConvTranspose2d(c, c, 2, stride=2)
-        self.dec1 = ResBlock(2 * c, c, temb)
+        self.dec1 = TimeResBlock(2 * c, c, temb)
         self.out = nn.Conv2d(c, 3, 3, padding=1)
 
     def forward(self, x, t):
