@@ -272,3 +272,20 @@ def test_tied_embedding_gradients_are_bitwise_reproducible():
         pipe(ids).float().pow(2).mean().backward()
         seen.append(model.wte.weight.grad.clone())
     assert all(torch.equal(g, seen[0]) for g in seen)
+
+
+def test_a_parameter_gradient_hook_runs_once_through_step_and_is_refused_through_backward():
+    """The plain model applies a hook once. pipe.step adds the stages' gradients itself (once); pipe(x) +
+    backward() would run it in the stage and again in the engine, so it is refused, naming the parameter."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))).double(), torch.randn(8, 4, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        m[0].weight.register_hook(lambda g: 2 * g)
+    plain(x).mean().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    with pytest.raises(RuntimeError, match=r"\['0.weight'\] have gradient hooks.*pipe.step"):
+        pipe(x).mean().backward()
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())  # a mean-reduced loss, as step expects
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
