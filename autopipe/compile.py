@@ -282,15 +282,8 @@ def _place(model: torch.nn.Module, result: Plan) -> None:
     the same (``.data`` is replaced), so optimizers keep working."""
     if all(s.device.type == "cpu" for s in result.stages):
         return
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    placed: set[str] = set()
-    for stage in result.stages:
-        for name in stage.params:
-            if name not in placed and tensors[name].device != stage.device:
-                with torch.no_grad():
-                    tensors[name].data = tensors[name].data.to(stage.device)
-            placed.add(name)
-
-
-__all__ = ["Options", "compile", "plan", "run_passes", "resolve_devices", "plan_devices"]
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, (device, *_) in result.param_devices.items():
+            if tensors[name].device != device:
+                tensors[name].data = tensors[name].data.to(device)

@@ -1,9 +1,8 @@
 """What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks.
 
-Pure functions over a Plan and the CostedGraph it came from: no runtime starts and no real memory is
-touched. Activations are what autograd saves, counted on fake tensors with the hook pipe.memory counts
-with. Not modelled: the backward's transient gradients, the allocator, the loss outside the pipeline.
-"""
+Pure functions over a Plan and the CostedGraph it came from: no runtime starts and no real memory is touched. Activations
+are what autograd saves, counted on fake tensors with the hook pipe.memory counts with. Not modelled: the backward's
+transient gradients, the allocator, the loss outside the pipeline."""
 from __future__ import annotations
 
 import functools
@@ -23,19 +22,16 @@ from autopipe.passes.cost import CostedGraph
 from autopipe.passes.partition import NoFeasiblePlan
 from autopipe.plan import Plan
 from autopipe.plan import human_bytes as _human
-from autopipe.runtime.schedule import NAMES as SCHEDULES
-from autopipe.runtime.schedule import Schedule
+from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
 from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
 
 # optimizer state per trainable parameter byte
-OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1,
-                   "adam": 2, "adamw": 2}
+OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
 BACKWARD_FACTOR = 2.0   # backward FLOPs per forward FLOP (grad of the input + grad of the weight)
 RECOMPUTE_FACTOR = 1.0  # a recompute is one more forward
-# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on
-# (1.4e11 FLOP/s: overhead.txt's transformer_like step, 3 x 70.9 GFLOP in 1.54 s). TASK_SECONDS: the runtime's
-# hand-off (overhead.txt: one worker at chunks=1 adds ~1.4 ms to the small-op GPT's 2 tasks); OP_SECONDS: each
-# op's dispatch, which a small micro-batch no longer hides (notes/distributed.md: ~10-20 us an op).
+# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on (1.4e11 FLOP/s: overhead.txt's transformer_like
+# step, 3 x 70.9 GFLOP in 1.54 s). TASK_SECONDS: the runtime's hand-off (overhead.txt: one worker at chunks=1 adds ~1.4 ms to the small-op GPT's 2 tasks);
+# OP_SECONDS: each op's dispatch, which a small micro-batch no longer hides (notes/distributed.md: ~10-20 us an op).
 DEVICE_FLOPS = 1.4e11
 TASK_SECONDS = 0.7e-3
 OP_SECONDS = 15e-6
@@ -118,14 +114,11 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Ca
     """One node on fake tensors, random ops as codegen emits them (passes/codegen.py ``_route``)."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if type(module) in random_ops.MODULES:
-            fn, constants = random_ops.MODULES[type(module)]
-            constants = constants(module)
-            if random_ops.draws(constants):
-                return fn(args[0] if args else kwargs["input"], **constants)
+        fn, constants_of = random_ops.MODULES.get(type(module), (None, None))
+        if fn is not None and random_ops.draws(constants := constants_of(module)):
+            return fn(args[0] if args else kwargs["input"], **constants)
         owned = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        tensors = {name: resident_fake(t) for name, t in owned}
-        return torch.func.functional_call(module, tensors, tuple(args), dict(kwargs), strict=False)
+        return torch.func.functional_call(module, {name: resident_fake(t) for name, t in owned}, tuple(args), dict(kwargs), strict=False)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     target = node.target
@@ -184,10 +177,9 @@ class PredictedMemory(list):
         return max(self.per_device(), default=0)
 
     def __str__(self) -> str:
-        formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} "
-                   "x trainable bytes) + kept + recompute\n"
-                   "kept = in_flight x (inputs/M if recomputed else activations/M), in_flight = micro-batches whose "
-                   "forward is done and backward not (Schedule.max_in_flight: M for gpipe, K - s for 1f1b)\n"
+        formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} x trainable bytes) + kept + recompute\n"
+                   "kept = in_flight x (inputs/M if recomputed else activations/M), in_flight = micro-batches whose forward is done and backward not "
+                   "(Schedule.max_in_flight: M for gpipe, K - s for 1f1b)\n"
                    "recompute = activations/M of one recomputed micro-batch, held while its backward runs\n"
                    "activations = what autograd saves in one forward of the stage, plus inputs no op saves")
         rows = [[p.stage, p.device, _human(p.params), _human(p.grads), _human(p.optimizer_state), p.in_flight,
@@ -202,9 +194,8 @@ class PredictedMemory(list):
     __repr__ = __str__
 
 
-def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
-                   chunks: int | None = None, virtual_stages: int = 1, optimizer: str | None = "adam", *,
-                   saved: SavedTensors | None = None) -> PredictedMemory:
+def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last", chunks: int | None = None,
+                   virtual_stages: int = 1, optimizer: str | None = "adam", *, saved: SavedTensors | None = None) -> PredictedMemory:
     """Per stage of ``plan``: parameters, gradients, optimizer state, kept activations and the recompute peak."""
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {[k for k in OPTIMIZER_STATE if k]} or None, got {optimizer!r}")
@@ -238,28 +229,15 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
         terms = ((n_rec, "inputs", inputs / n + fixed), (len(at_peak) - n_rec, "activations", activations / n))
         grads = sum(costed.tensor_bytes.get(p, 0) for p in s.params if p in trainable)
         stages.append(MemoryPrediction(
-            s.index, schedule.device_of(s.index), s.param_bytes, grads, OPTIMIZER_STATE[optimizer] * grads,
-            round(peak), round(max((a for a, r in zip(act, recomputed) if r), default=0.0)),
-            schedule.max_in_flight(s.index), round(sum(kept)),
+            s.index, schedule.device_of(s.index), s.param_bytes, grads, OPTIMIZER_STATE[optimizer] * grads, round(peak),
+            round(max((a for a, r in zip(act, recomputed) if r), default=0.0)), schedule.max_in_flight(s.index), round(sum(kept)),
             " + ".join(f"{k} x {what}/M ({_human(each)})" for k, what, each in terms if k) or "0"))
     return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks, optimizer=optimizer,
                            virtual_stages=virtual_stages, n_devices=schedule.n_devices, bubble=schedule.bubble_fraction)
 
 
-def beside_measured(predicted: PredictedMemory, measured) -> str:
-    """Predicted and measured (``pipe.memory``) saved activations per stage; measured kept sums every micro-batch."""
-    rows = [[p.stage, _human(p.kept_all), _human(m.kept), _ratio(m.kept, p.kept_all), _human(p.recompute_peak),
-             _human(m.recompute_peak), _ratio(m.recompute_peak, p.recompute_peak), _human(p.kept_activations),
-             p.in_flight] for p, m in zip(predicted, measured.stages)]
-    return (f"Saved activations, predicted vs measured ({predicted.schedule}, checkpoint={predicted.checkpoint!r}, "
-            f"M={predicted.chunks}):\n"
-            + tabulate(rows, headers=["stage", "kept (all M) pred", "measured", "meas/pred", "recompute pred",
-                                      "measured", "meas/pred", "kept in flight pred", "in flight"], tablefmt="simple"))
-
-
-def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
-                        chunks: int | None = None, virtual_stages: int = 1, *,
-                        task_overhead: float | None = None) -> float:
+def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last", chunks: int | None = None,
+                        virtual_stages: int = 1, *, task_overhead: float | None = None) -> float:
     """The busiest device's forwards, backwards, recomputes and ``task_overhead`` per (stage, micro-batch) task
     (None: DEVICE_FLOPS x (TASK_SECONDS + OP_SECONDS per op)), in the plan's cost units, over (1 - the bubble)."""
     chunks = chunks or plan.chunks
@@ -271,8 +249,7 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
     for s in plan.stages:
         seconds = TASK_SECONDS + OP_SECONDS * (len(s.nodes) + len(s.replicated))
         overhead = per_flop * DEVICE_FLOPS * seconds if task_overhead is None else task_overhead
-        work[schedule.device_of(s.index)] += (s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks)
-                                              + overhead * (2 * chunks + recomputed))
+        work[schedule.device_of(s.index)] += s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks) + overhead * (2 * chunks + recomputed)
     busy = 1.0 - schedule.bubble_fraction
     return max(work) / busy if busy > 0 else math.inf
 
@@ -315,37 +292,29 @@ class AutoChoice:
         shown: dict[Any, Candidate] = {}
         for c in sorted(self.candidates, key=_rank):
             shown.setdefault(id(c) if full else (c.schedule, c.virtual_stages, c.checkpoint), c)
-        cap = self.memory_cap
-        rows = [["->" if c is self.chosen else "",
-                 c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
-                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}",
-                 f"{c.time / self.ideal:.3f}", "fits" if c.fits else f"over by {_human(c.peak - cap)}"]
-                for c in shown.values()]
-        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)",
-                   f"cap {_human(cap)}"]
-        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"),
-                          *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
+        rows = [["->" if c is self.chosen else "", c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
+                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}", f"{c.time / self.ideal:.3f}",
+                 "fits" if c.fits else f"over by {_human(c.peak - self.memory_cap)}"] for c in shown.values()]
+        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)", f"cap {_human(self.memory_cap)}"]
+        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"), *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
 
     def __str__(self) -> str:
         c = self.chosen
         v = f" (virtual_stages={c.virtual_stages})" if c.virtual_stages > 1 else ""
-        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak "
-                f"{_human(c.peak)} per device (cap {_human(self.memory_cap)}), bubble {c.bubble:.3f}, step "
-                f"{c.time / self.ideal:.2f}x ideal\nAlternatives weighed (batch {self.batch_size}, {self.n_devices} "
-                f"device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, 3 x total cost / K, with a "
-                "fixed cost per task; the fastest that fits wins; shown: the best per schedule and checkpoint of "
+        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak {_human(c.peak)} per device "
+                f"(cap {_human(self.memory_cap)}), bubble {c.bubble:.3f}, step {c.time / self.ideal:.2f}x ideal\n"
+                f"Alternatives weighed (batch {self.batch_size}, {self.n_devices} device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, "
+                "3 x total cost / K, with a fixed cost per task; the fastest that fits wins; shown: the best per schedule and checkpoint of "
                 f"{len(self.candidates)}, all in .table(full=True)):\n" + self.table())
 
     __repr__ = __str__
 
 
-def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int,
-                         memory_cap: float, schedules: Sequence[str] = SCHEDULES,
-                         checkpoint_modes: Sequence[str] = CHECKPOINT_MODES, chunks: int | Sequence[int] | None = None,
-                         optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
-    """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)``
-    gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size;
-    "interleaved" runs 2 virtual stages per device."""
+def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int, memory_cap: float,
+                         schedules: Sequence[str] = SCHEDULES, checkpoint_modes: Sequence[str] = CHECKPOINT_MODES,
+                         chunks: int | Sequence[int] | None = None, optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
+    """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)`` gives an uncapped Plan and
+    its CostedGraph. ``chunks=None`` weighs powers of two and the batch size; "interleaved" runs 2 virtual stages per device."""
     auto = chunks is None
     counts = {2 ** k for k in range(batch_size.bit_length())} | {max(batch_size, 1)} if auto else chunks
     counts = [counts] if isinstance(counts, int) else sorted(set(counts))
@@ -382,18 +351,13 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
     resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
     raise NoFeasiblePlan(
-        f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): the smallest "
-        f"predicted peak is {_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, "
-        f"chunks={least.chunks}), on device {worst}, of which {_human(resident)} are parameters, gradients and "
-        f"optimizer state ({optimizer or 'none'}). Raise memory_cap to at least {_human(least.peak)}, add devices, "
-        f"use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
+        f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): the smallest predicted peak is "
+        f"{_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, of which "
+        f"{_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). Raise memory_cap to at least "
+        f"{_human(least.peak)}, add devices, use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
 
 
 def _rank(c: Candidate) -> tuple:
     """Fitting first, then the fastest (on a tie: less memory, fewer chunks, less recompute); else the least peak."""
     speed = (round(c.time, 9), c.peak) if c.fits else (c.peak, c.time)
     return (not c.fits, *speed, c.chunks, ("never", "except_last", "always").index(c.checkpoint))
-
-
-def _ratio(measured: float, predicted: float) -> str:
-    return f"{measured / predicted:.3f}" if predicted else ("-" if not measured else "inf")

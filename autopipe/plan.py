@@ -112,12 +112,12 @@ class Plan:
                   f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup "
                   f"{self.predicted_speedup:.2f}x on {self.n_stages} devices "
                   f"(efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
-        if self.shared_params:
-            lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(
-                f"{n} in stages {list(s)}" + (f" (on {self.param_devices[n][0]}, replicated to "
-                                              f"{', '.join(map(str, self.param_devices[n][1:]))} each step)"
-                                              if len(self.param_devices[n]) > 1 else "")
-                for n, s in self.shared_params.items()))
+        devices = self.param_devices
+        shared = [f"{n} in stages {list(s)}" + (f" (on {devices[n][0]}, replicated to {', '.join(map(str, devices[n][1:]))}"
+                                                " each step)" if len(devices[n]) > 1 else "")
+                  for n, s in self.shared_params.items()]
+        if shared:
+            lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(shared))
         if self.pass_seconds:
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
                          + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
@@ -131,11 +131,10 @@ class Plan:
     def param_devices(self) -> dict[str, tuple[torch.device, ...]]:
         """Each parameter's and buffer's devices: the first stage using it holds it (compile places it there); a
         stage on another device runs on a replica refreshed every step (runtime/task.py)."""
-        devices: dict[str, list[torch.device]] = {}
+        devices: dict[str, dict[torch.device, None]] = {}  # an ordered set per name
         for sp in self.stages:
             for name in sp.params:
-                if sp.device not in devices.setdefault(name, []):
-                    devices[name].append(sp.device)
+                devices.setdefault(name, {})[sp.device] = None
         return {name: tuple(d) for name, d in devices.items()}
 
 

@@ -12,8 +12,6 @@ logger = logging.getLogger("autopipe")
 
 
 class Progress:
-    """Times the passes of one compile and reports them."""
-
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
         self.seconds: dict[str, float] = {}
@@ -32,5 +30,4 @@ class Progress:
         yield report
         seconds = time.perf_counter() - start
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        detail = report.get("detail")
-        self.say(f"{name:<9} {seconds:7.3f} s" + (f"  ({detail})" if detail else ""))
+        self.say(f"{name:<9} {seconds:7.3f} s" + (f"  ({report['detail']})" if report.get("detail") else ""))

@@ -1,9 +1,11 @@
 """Which ops draw random numbers, and how each draws from a stage's generator, so recompute replays the forward."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import threading
 from typing import Any, Callable
 
 import torch
@@ -21,8 +23,7 @@ class UnroutedRandomOp(ValueError):
     """A random op of a stage that codegen cannot route to the stage's generator."""
 
 
-RANDOM_OPS = frozenset({
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+RANDOM_OPS = frozenset({  # and every op whose name has "dropout" in it
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli", "multinomial",
     "normal", "poisson", "rrelu", "uniform", "random", "exponential", "geometric", "cauchy", "log_normal",
     "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
@@ -41,6 +42,13 @@ def op_name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target)).split(".")[0]
 
 
+def _overloads(target: Any, out: bool = True) -> list[OpOverload]:
+    """The aten overloads of an op packet, a torch C function or a Tensor method (by name); "default" first."""
+    packet = target if isinstance(target, OpOverloadPacket) else getattr(aten, op_name(target), None)
+    names = packet.overloads() if isinstance(packet, OpOverloadPacket) else []
+    return [getattr(packet, o) for o in sorted(names, key=lambda o: o != "default") if out or "out" not in o]
+
+
 def is_random_target(target: Any) -> bool:
     """A call_function / call_method target that may draw; an aten op says so by its tag."""
     if isinstance(target, OpOverloadPacket):
@@ -50,50 +58,35 @@ def is_random_target(target: Any) -> bool:
     return op_name(target).strip("_") in RANDOM_OPS or "dropout" in op_name(target)
 
 
-def module_draws(module: nn.Module, now: bool = True) -> bool:
-    """Whether calling ``module`` draws: ``now`` in its modules' train/eval modes and probabilities, or ever."""
+def module_draws(module: nn.Module) -> bool:
+    """Whether calling ``module`` draws, in its modules' train/eval modes and with their probabilities."""
     return any(not type(m).__module__.startswith("torch.nn")  # code fx did not look into
-               or any(isinstance(m, kind) and (not now or drawing(m)) for kind, drawing in _MODULES_THAT_DRAW.items())
+               or any(isinstance(m, kind) and drawing(m) for kind, drawing in _MODULES_THAT_DRAW.items())
                for m in module.modules())
 
 
-def is_random_module(module: nn.Module) -> bool:
-    """Whether calling ``module`` may draw, in some mode."""
-    return module_draws(module, now=False)
-
-
-def _dropout_impl(input, p, train, inplace, generator, feature: bool, alpha: bool):
-    """Dropout.cpp's ``_dropout_impl<feature_dropout, alpha_dropout, inplace>``, its noise from ``generator``."""
-    if p < 0 or p > 1:
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    if p == 0 or not train or input.numel() == 0:
-        return input
-    if p == 1:
-        zero = torch.zeros((), dtype=input.dtype, device=input.device)
-        return input.mul_(zero) if inplace else input.mul(zero)
-    if feature and input.dim() < 2:
-        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
-    # feature dropout draws once per (sample, channel)
-    noise = input.new_empty(input.shape[:2] + (1,) * (input.dim() - 2)) if feature else torch.empty_like(input)
-    noise.bernoulli_(1 - p, generator=generator)
-    if not alpha:
-        noise.div_(1 - p)
-        return input.mul_(noise) if inplace else input.mul(noise)
-    saturation = 1.7580993408473766  # SELU's, for very negative inputs
-    a = 1.0 / math.sqrt((saturation * saturation * p + 1) * (1 - p))
-    b = noise.add(-1).mul_(saturation * a).add_(saturation * a * p)
-    noise.mul_(a)
-    return (input.mul_(noise) if inplace else input.mul(noise)).add_(b)
-
-
 def _dropout(name: str, feature: bool = False, alpha: bool = False, batched_dim: int | None = None) -> Callable:
-    """torch's dropout ``name``, same signature, with ``generator=``."""
+    """torch's dropout ``name``, same signature, with ``generator=``: Dropout.cpp's ``_dropout_impl``."""
     def fn(input, p=0.5, training=not alpha, inplace=False, *, generator=None):
-        unbatched = batched_dim is not None and input.dim() != batched_dim  # F.dropout1d/3d: a batch of one
-        if unbatched:
-            input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
-        out = _dropout_impl(input, p, training, inplace, generator, feature, alpha)
-        return (out.squeeze_(0) if inplace else out.squeeze(0)) if unbatched else out
+        if p < 0 or p > 1:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        if p == 0 or not training or input.numel() == 0:
+            return input
+        mul = input.mul_ if inplace else input.mul
+        if p == 1:
+            return mul(torch.zeros((), dtype=input.dtype, device=input.device))
+        # feature dropout draws once per (sample, channel); F.dropout1d/3d take an unbatched input as a batch of one
+        channels = 1 if batched_dim is not None and input.dim() != batched_dim else 2
+        if feature and input.dim() < channels:
+            raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+        noise = input.new_empty(input.shape[:channels] + (1,) * (input.dim() - channels)) if feature else torch.empty_like(input)
+        noise.bernoulli_(1 - p, generator=generator)
+        if not alpha:
+            return mul(noise.div_(1 - p))
+        saturation = 1.7580993408473766  # SELU's, for very negative inputs
+        a = 1.0 / math.sqrt((saturation * saturation * p + 1) * (1 - p))
+        b = noise.add(-1).mul_(saturation * a).add_(saturation * a * p)
+        return mul(noise.mul_(a)).add_(b)
     fn.__name__ = fn.__qualname__ = name
     return fn
 
@@ -123,17 +116,38 @@ def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False, *,
     return (torch.rrelu_ if inplace else torch.rrelu)(input, lower, upper, training, generator=generator)
 
 
+_DEFAULT_GENERATORS = threading.Lock()
+
+
+def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused
+    attention), drawing from ``generator`` instead: the default generator takes ``generator``'s state for the
+    call, under a lock, and gets its own back; ``generator`` moves on by what the kernel drew. A CUDA
+    generator's state is on the host (seed, offset), so this costs no synchronisation."""
+    device = generator.device
+    default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+    with _DEFAULT_GENERATORS:
+        saved = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            generator.set_state(default.get_state())
+            default.set_state(saved)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, generator=None):
-    """Its documentation's math reference (torch's fused kernels draw from the default generator only)."""
-    scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+    """On a GPU torch's own (fused flash / memory-efficient kernels) on ``generator``'s state; elsewhere its
+    documentation's math reference (the lock around a CPU kernel would serialise the stages' attention)."""
+    if generator is not None and query.device.type == "cuda":
+        return on_default_generator(generator, F.scaled_dot_product_attention, query, key, value, attn_mask,
+                                    dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if enable_gqa:
-        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
-        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
-    scores = query @ key.transpose(-2, -1) * scale
-    if is_causal:
-        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        key, value = (t.repeat_interleave(query.size(-3) // t.size(-3), -3) for t in (key, value))
+    scores = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
+    if is_causal:  # torch refuses is_causal with an attn_mask
+        attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     return dropout(aten._safe_softmax(scores, -1), dropout_p, True, generator=generator) @ value
@@ -148,8 +162,7 @@ for _fn in (dropout, feature_dropout, alpha_dropout, feature_alpha_dropout):
         FUNCTIONS[getattr(torch, _fn.__name__ + _suffix)] = (_fn, _extra)
         FUNCTIONS[getattr(aten, _fn.__name__ + _suffix).default] = (_fn, _extra)
 for _fn in (rand_like, randn_like, randint_like, native_dropout, scaled_dot_product_attention):
-    _packet = getattr(aten, _fn.__name__)
-    FUNCTIONS.update({getattr(_packet, o): (_fn, {}) for o in _packet.overloads() if "out" not in o})
+    FUNCTIONS.update({o: (_fn, {}) for o in _overloads(getattr(aten, _fn.__name__), out=False)})
 
 
 def _attributes(*names: str) -> Callable[[nn.Module], dict[str, Any]]:
@@ -173,10 +186,8 @@ def aten_route(op: OpOverload) -> tuple[str, Any]:
     if op in FUNCTIONS:
         return "function", FUNCTIONS[op][0]
     names = set(signature_of(op).parameters) | {"generator"}
-    twins = [op, *_overloads(op.overloadpacket, out=False)]
-    twin = next((t for t in twins if set(signature_of(t).parameters) == names), None)
-    if twin is not None:
-        return "kwarg", twin
+    if twins := [t for t in (op, *_overloads(op.overloadpacket, out=False)) if set(signature_of(t).parameters) == names]:
+        return "kwarg", twins[0]
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return "wrap", op
     return "unrouted", None
@@ -185,37 +196,26 @@ def aten_route(op: OpOverload) -> tuple[str, Any]:
 def draws(arguments: dict[str, Any]) -> bool:
     """Whether a random op with these bound arguments draws: not with probability 0, nor with train(ing) False."""
     probabilities = [arguments.get(name) for name in ("p", "dropout_p", "dropout")]
-    if any(isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0 for p in probabilities):
-        return False
-    return arguments.get("train") is not False and arguments.get("training") is not False
+    return not any(isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0 for p in probabilities) \
+        and arguments.get("train") is not False and arguments.get("training") is not False
 
 
 def signature_of(target: Any) -> inspect.Signature | None:
     """A Python function's signature, or an aten op's (by its schema, as fx reads it); None for a C function."""
     if isinstance(target, OpOverload):
         return _torchscript_schema_to_signature(target._schema)
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         return inspect.signature(target) if callable(target) else None
-    except (TypeError, ValueError):
-        return None
-
-
-def _overloads(target: Any, out: bool = True) -> list[OpOverload]:
-    """The aten overloads of an op packet, a torch C function or a Tensor method (by name); "default" first."""
-    packet = target if isinstance(target, OpOverloadPacket) else getattr(aten, op_name(target), None)
-    names = packet.overloads() if isinstance(packet, OpOverloadPacket) else []
-    return [getattr(packet, o) for o in sorted(names, key=lambda o: o != "default") if out or "out" not in o]
+    return None
 
 
 def _bind(targets: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[str, Any] | None]:
     """The first target whose signature takes these arguments, and them by name, defaults filled in."""
     for target in targets:
-        try:
+        with contextlib.suppress(TypeError):
             bound = signature_of(target).bind(*args, **kwargs)
-        except TypeError:
-            continue
-        bound.apply_defaults()
-        return target, dict(bound.arguments)
+            bound.apply_defaults()
+            return target, dict(bound.arguments)
     return None, None
 
 
@@ -261,11 +261,12 @@ class _Routed:
 
 
 class _RoutedFunctions(_Routed, TorchFunctionMode):
-    """Attention dropout, which torch's fused kernels draw from the default generator, runs our math instead."""
+    """Attention dropout on the CPU, where torch's kernels draw from the default generator, runs our math."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)) > 0:
+        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)) > 0 \
+                and args[0].device.type != "cuda":  # on a GPU its fused kernel reaches _RoutedKernels
             return scaled_dot_product_attention(*args, **kwargs, generator=self.generator)
         return func(*args, **kwargs)
 
@@ -280,6 +281,8 @@ class _RoutedKernels(_Routed, TorchDispatchMode):
         how, target = aten_route(func)
         if how == "function":
             return target(*args, **kwargs, generator=self.generator)
+        if how != "kwarg" and self.generator.device.type == "cuda":
+            return on_default_generator(self.generator, func, *args, **kwargs)
         if how != "kwarg":
             raise UnroutedRandomOp(
                 f"{func} draws random numbers inside {self.where} and takes no generator, so a recomputed forward "

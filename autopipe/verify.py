@@ -221,19 +221,17 @@ def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor 
 
 def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_tolerance: float | None = None) -> list[Row]:
     """Rows for the loss, outputs, gradients (``shared_tolerance``: of tied weights) and (``buffers``) buffers."""
-    got = dict(run.outputs)  # an output the run lacks compares with zeros
-    rows = [_compare("loss", "loss", run.loss, ref.loss)]
-    rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs]
-    shared = {**ref.shared, **run.shared}
-    for name, t in ref.grads.items():
-        rows.append(row := _compare("grad", name, run.grads.get(name), t))
-        if shared_tolerance is not None and name in shared:
+    got, shared = dict(run.outputs), {**ref.shared, **run.shared}  # an output the run lacks compares with zeros
+    grads = [_compare("grad", name, run.grads.get(name), t) for name, t in ref.grads.items()]
+    floor = GRAD_FLOOR * max((g.max_abs_ref for g in grads), default=0.0)
+    for row in grads:
+        row.floor = floor
+        if shared_tolerance is not None and row.name in shared:
             row.tolerance = shared_tolerance
-            held = f"held by stages {', '.join(map(str, shared[name]))} (tied): bound {shared_tolerance:.0e}"
+            held = f"held by stages {', '.join(map(str, shared[row.name]))} (tied): bound {shared_tolerance:.0e}"
             row.note = f"{row.note}; {held}" if row.note else held
-    grads = [r for r in rows if r.kind == "grad"]
-    for r in grads:
-        r.floor = GRAD_FLOOR * max(g.max_abs_ref for g in grads)
+    rows = [_compare("loss", "loss", run.loss, ref.loss)]
+    rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs] + grads
     if buffers:
         rows += [_compare("buffer", n, run.buffers.get(n), t) for n, t in ref.buffers.items()]
     return rows
@@ -339,14 +337,12 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
                 return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
         options = {**compile_kwargs, **({"intra_op_threads": threads} if threads else {})}
         pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, **options)
-        try:
+        with contextlib.closing(pipe):
             step = _step(twin, lambda: pipe(*a, **k), loss, caller_threads)
             canonical = {id(p): n for n, p in twin.named_parameters()}  # tied weights under these names
             every = dict(twin.named_parameters(remove_duplicate=False))
             step.shared = {canonical[id(every[n])]: tuple(s) for n, s in pipe.plan.shared_params.items() if n in every}
-            return step
-        finally:
-            pipe.close()
+        return step
 
     reference_own = run(own, "loop", threads=1)  # the plain model must run: if not, the caller's error is raised
     report = VerifyReport(type(model).__name__, devices, chunks, checkpoint, mode_name, own, (

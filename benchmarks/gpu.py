@@ -16,9 +16,8 @@ M in {1, 4, 8}. Every variant ends with torch.cuda.synchronize(), so a timed cal
 All K stages share one GPU and its default stream: they cannot run at the same time, so nothing here
 can be faster than the plain model. The table is autopipe's cost on a GPU: K worker threads, M
 micro-batches (smaller kernels), the hand-offs. Goal: K=1, M=1 <= 1.03x the plain step.
-The timeline columns come from pipe.timeline of the last step: its spans are host time (a task's span
-ends when its kernels are queued, or when the host waited on the GPU), so its bubble and overlap show
-how the host threads interleaved, not GPU idle time.
+The timeline columns come from pipe.timeline of the last step: on a GPU its spans are CUDA events on the
+stages' stream, so its bubble and overlap are GPU time (on the CPU smoke test, host time).
 """
 from __future__ import annotations
 
@@ -129,8 +128,9 @@ def main(argv=None) -> int:
            else "in float32 (autocast off: bf16 on this CPU is slow) + backward"),
         *notes,
         "vs plain = t(variant) / t(plain), median of per-round ratios [quartiles] (lower is better; 1.00x = no cost);",
-        "timeline (host time, pipe.timeline of the last step): makespan; bubble = idle share of the K worker threads "
-        "measured / GPipe's (K-1)/(M+K-1); overlap = sum of busy time / makespan (> 1: threads worked at once);",
+        f"timeline ({'CUDA events' if device.type == 'cuda' else 'host time'}, pipe.timeline of the last step): "
+        "makespan; bubble = idle share of the K stages measured / GPipe's (K-1)/(M+K-1); overlap = sum of busy time "
+        "/ makespan (> 1: stages worked at once);",
         "peak = torch.cuda.max_memory_allocated over one more step of that variant alone (peak statistics reset first)",
     ])
     text = head + "\n" + C.table(rows, ["model", "K", "M", "ms/step", "vs plain", "[quartiles]", "timeline ms",

@@ -30,7 +30,8 @@ checkpoint="never", intra_op_threads=1 (a TorchFunctionMode around the stage
 once cost it 1.44x the plain step: docs/architecture.md, pitfalls). Measured
 in a child process pinned to ONE core (os.sched_setaffinity before torch
 starts its threads, torch.set_num_threads(1)): plain and autopipe alternate
-for 41 runs (--small-op-runs); the fastest run of each is compared, for the
+for 41 runs (--small-op-runs) of 5 consecutive steps each; the fastest run of
+each is compared, per step, for the
 training step (zero_grad + forward + cross-entropy + backward) and for the
 forward alone under torch.no_grad().
 """
@@ -61,6 +62,7 @@ from zoo import transformer_like  # noqa: E402
 
 SMALL_OP = dict(vocab=64, d=64, heads=4, layers=8, block=32)  # zoo.GPT
 SMALL_OP_BATCH = (8, 32)  # batch x sequence
+SMALL_OP_STEPS = 5  # consecutive steps per timed run: a single ~15 ms step jitters by +-5% on this VM
 
 TARGETS = {  # (variant key) -> (target, torchgpipe's measurement)
     ("pipe", 1, "never"): ("<= 1.03x", "-"),
@@ -192,8 +194,9 @@ def small_op_table(runs: int) -> str:
         f"{got['params'] / 1e6:.2f} M params, model.train(); autopipe.compile(devices=1, chunks=1, checkpoint='never', "
         f"intra_op_threads=1)",
         f"one process pinned to core {got['cores']} (os.sched_setaffinity before torch starts threads), "
-        f"torch.set_num_threads(1); plain and autopipe alternate for {runs} runs per row "
-        f"({got['warmup']} warm-up runs dropped); fastest run of each; train = zero_grad + forward + cross-entropy "
+        f"torch.set_num_threads(1); plain and autopipe alternate for {runs} runs per row, a run being "
+        f"{SMALL_OP_STEPS} consecutive steps ({got['warmup']} warm-up runs dropped); fastest run of each, per step; "
+        f"train = zero_grad + forward + cross-entropy "
         f"+ backward, forward = under torch.no_grad()",
     ]
     return ("\n".join(f"# {line}" for line in lines) + "\n"
@@ -220,24 +223,26 @@ def small_op_child(runs: int) -> int:
 
         def train(fn):
             def run():
-                model.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(fn(x).flatten(0, 1), y.flatten()).backward()
+                for _ in range(SMALL_OP_STEPS):
+                    model.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(fn(x).flatten(0, 1), y.flatten()).backward()
             return run
 
         def forward(fn):
             def run():
                 with torch.no_grad():
-                    fn(x)
+                    for _ in range(SMALL_OP_STEPS):
+                        fn(x)
             return run
 
         for step, wrap in (("train", train), ("forward", forward)):
             t = C.interleaved({"plain": wrap(model), "autopipe": wrap(pipe)}, repeats=runs, warmup=warmup,
                               label=f"small-op {step} dropout={dropout} ", verbose=False)
-            rows.append({"step": step, "dropout": dropout, "plain": t.fastest("plain"),
-                         "autopipe": t.fastest("autopipe"), "median_ratio": t.ratio("autopipe", "plain"),
+            rows.append({"step": step, "dropout": dropout, "plain": t.fastest("plain") / SMALL_OP_STEPS,
+                         "autopipe": t.fastest("autopipe") / SMALL_OP_STEPS, "median_ratio": t.ratio("autopipe", "plain"),
                          "quartiles": t.spread("autopipe", "plain")})
-            C.progress(f"  small-op {step} dropout={dropout}: plain {t.fastest('plain') * 1e3:.2f} ms, autopipe "
-                       f"{t.fastest('autopipe') * 1e3:.2f} ms (fastest of {runs})")
+            C.progress(f"  small-op {step} dropout={dropout}: plain {rows[-1]['plain'] * 1e3:.2f} ms, autopipe "
+                       f"{rows[-1]['autopipe'] * 1e3:.2f} ms a step (fastest of {runs} runs)")
         pipe.close()
     print(json.dumps({"rows": rows, "params": params, "warmup": warmup,
                       "cores": sorted(os.sched_getaffinity(0))}), flush=True)

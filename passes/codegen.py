@@ -1,8 +1,6 @@
 """Codegen pass: Plan + graph -> one readable fx.GraphModule per stage, nothing wrapping its ops at run time.
 
-A stage holds the model's own Modules and Parameters (its state_dict names are the model's). Its code gives
-every random op the task's ``generator`` (autopipe/random_ops.py), reads ``stage_device`` where the trace wrote
-a device, and clones an input it writes in place. Re-materialisation lives in autopipe/runtime/task.py.
+The contract (random ops, devices, in-place writes, module aliases) is docs/architecture.md's "codegen".
 """
 from __future__ import annotations
 
@@ -17,13 +15,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._ops import HigherOrderOperator, OpOverload
 
 import autopipe.random_ops as random_ops
 from autopipe.plan import Plan, StagePlan
-from autopipe.random_ops import UnroutedRandomOp
-
-OpOverload = torch._ops.OpOverload
-HigherOrderOperator = torch._ops.HigherOrderOperator
 
 
 class Stage(fx.GraphModule):
@@ -33,16 +28,14 @@ class Stage(fx.GraphModule):
                  attributes: dict[str, Any], cloned_inputs: list[str]):
         super().__init__(_Root(root, {**attributes, "stage_device": plan.device}), graph, f"Stage{plan.index}")
         self.index = plan.index
-        self.input_names = list(plan.inputs)
-        self.output_names = list(plan.outputs)
+        self.input_names, self.output_names = list(plan.inputs), list(plan.outputs)
         self.stage_device = plan.device
         self._header = header
         self.uses_rng = any(n.op == "placeholder" and n.target == "generator" for n in graph.nodes)
         self.cloned_inputs = cloned_inputs
         self.running_buffers, self.written_buffers = _running_buffers(self)
         self.module_aliases = dict(graph._codegen.aliases)  # the modules stay registered under their own names
-        for target, alias in self.module_aliases.items():
-            self.__dict__[alias] = self.get_submodule(target)
+        self.__dict__.update({alias: self.get_submodule(target) for target, alias in self.module_aliases.items()})
 
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)  # fx's copy keeps only what the graph names: copy the rest
@@ -81,8 +74,7 @@ class _Root(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, own: dict[str, Any]):
         super().__init__()
         self.training = model.training
-        self.__dict__["_model"] = model
-        self.__dict__.update(own)
+        self.__dict__.update(own, _model=model)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_model"], name)
@@ -90,11 +82,12 @@ class _Root(torch.nn.Module):
 
 class _CodeGen(fx.graph.CodeGen):
     """fx's code, calling ``autopipe.random_ops.dropout`` where fx names a global ``autopipe_random_ops_dropout``,
-    and a submodule by its flat alias (``self.blocks_0_fc``, see Stage.module_aliases) where it has one."""
+    and a nested submodule by its flat alias (``self.blocks_0_fc``, Stage.module_aliases) unless that shadows a name."""
 
-    def __init__(self):
+    def __init__(self, graph: fx.Graph, model: torch.nn.Module):
         super().__init__()
-        self.aliases: dict[str, str] = {}
+        nested = {n.target: re.sub(r"\W", "_", n.target) for n in graph.nodes if n.op == "call_module" and "." in n.target}
+        self.aliases = {t: a for t, a in nested.items() if a.isidentifier() and not hasattr(model, a) and not hasattr(Stage, a)}
 
     def _gen_python_code(self, nodes, *args, **kwargs):
         code = super()._gen_python_code(nodes, *args, **kwargs)
@@ -103,18 +96,6 @@ class _CodeGen(fx.graph.CodeGen):
             code.src = code.src.replace(f" = {fx.graph._format_target('self', target)}(", f" = self.{alias}(")
         code.globals["autopipe"] = sys.modules["autopipe"]
         return code
-
-
-def _module_aliases(graph: fx.Graph, model: torch.nn.Module) -> dict[str, str]:
-    """A flat attribute per nested submodule the code calls: one lookup instead of a chain of
-    nn.Module.__getattr__ (~2% of a small-op model's forward); names that would shadow anything are skipped."""
-    aliases = {}
-    for node in graph.nodes:
-        if node.op == "call_module" and "." in node.target:
-            alias = re.sub(r"\W", "_", node.target)
-            if alias.isidentifier() and not hasattr(model, alias) and not hasattr(Stage, alias):
-                aliases[node.target] = alias
-    return aliases
 
 
 def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
@@ -127,7 +108,6 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         routes = {n: r for n in body if (r := _route(n, graph_module, sp)) is not None}
         writable = facts.check_writes(plan, sp, inputs, body)
         graph = fx.Graph()
-        graph.set_codegen(_CodeGen())
         env: dict[fx.Node, fx.Node] = {}
         for source in inputs:
             env[source] = graph.placeholder(source.name)
@@ -138,19 +118,14 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
             env[source].meta = dict(source.meta)
         attributes: dict[str, Any] = {}
         for node in body:
-            for attr in node.all_input_nodes:
-                if attr.op == "get_attr" and attr not in env:
-                    env[attr] = graph.node_copy(attr)
-            if node in routes:
-                env[node] = _emit(graph, node, routes[node], env, generator, graph_module, attributes)
-            else:
-                env[node] = graph.node_copy(node, env.__getitem__)
+            env.update({a: graph.node_copy(a) for a in node.all_input_nodes if a.op == "get_attr" and a not in env})
+            env[node] = _emit(graph, node, routes[node], env, generator, graph_module, attributes) if node in routes \
+                else graph.node_copy(node, env.__getitem__)
         graph.output(tuple(env[facts.nodes[name]] for name in sp.outputs))
         _use_stage_device(graph)
         graph.lint()
-        graph._codegen.aliases = _module_aliases(graph, graph_module)
-        header = _header(plan, sp, routes, writable)
-        stages.append(Stage(graph_module, graph, sp, header, attributes, [n.name for n in writable]))
+        graph.set_codegen(_CodeGen(graph, graph_module))
+        stages.append(Stage(graph_module, graph, sp, _header(plan, sp, routes, writable), attributes, [n.name for n in writable]))
     return stages
 
 
@@ -161,9 +136,8 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if type(module) in random_ops.MODULES:  # nn.Dropout & co: their function, their constants baked in
-            fn, constants = random_ops.MODULES[type(module)]
-            constants = constants(module)
-            return ("function", fn, constants) if random_ops.draws(constants) else None
+            fn, constants_of = random_ops.MODULES[type(module)]
+            return ("function", fn, constants) if random_ops.draws(constants := constants_of(module)) else None
         return ("wrap", node.target, {}) if random_ops.module_draws(module) else None
     if node.op not in ("call_function", "call_method"):
         return None
@@ -174,10 +148,7 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
         subgraphs = [operator.attrgetter(a.target)(gm) for a in node.all_input_nodes if a.op == "get_attr"]
         draws = any(_route(n, sub, sp) for sub in subgraphs if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes)
         return ("wrap", target, {}) if draws else None
-    if not random_ops.is_random_target(target):
-        return None
-    bound = random_ops.bind(target, node.args, node.kwargs)
-    if bound is not None and not random_ops.draws(bound):
+    if not random_ops.is_random_target(target) or not random_ops.draws(random_ops.bind(target, node.args, node.kwargs) or {}):
         return None
     if target in random_ops.FUNCTIONS:
         return "function", *random_ops.FUNCTIONS[target]
@@ -185,11 +156,13 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
         how, routed = random_ops.aten_route(target)
         if how != "unrouted":
             return how, routed, {}
+        if torch.device(sp.device).type == "cuda":  # a fused kernel: on the task's generator's state
+            return "wrap", target, {}
     elif random_ops.takes_generator(target):
         return "kwarg", target, {}
     elif node.op == "call_function":  # a torch Python function that draws inside (F.gumbel_softmax)
         return "wrap", target, {}
-    raise UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
+    raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
         f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {_where(node)} draws random "
         f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
         f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use "
@@ -202,7 +175,6 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
     how, target, constants = route
     args = tuple(fx.node.map_arg(node.args, env.__getitem__))
     kwargs = dict(fx.node.map_arg(node.kwargs, env.__getitem__))
-    op = node.op if how == "kwarg" else "call_function"
     if how == "kwarg":  # the op takes generator=; where a call passes its own, the task's replaces it
         args, kwargs = random_ops.with_generator(target, generator, args, kwargs)
     elif how == "wrap":
@@ -223,7 +195,7 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
         parameters = getattr(random_ops.signature_of(target), "parameters", {})  # aten's train, F's training
         kwargs = {("training" if k == "train" and "training" in parameters else k): v for k, v in kwargs.items()}
         kwargs.update(constants, generator=generator)
-    new = graph.create_node(op, target, args, kwargs, name=node.name)
+    new = graph.create_node(node.op if how == "kwarg" else "call_function", target, args, kwargs, name=node.name)
     new.meta = {k: v for k, v in node.meta.items() if k != "is_wrapped"}  # fx.wrap's mark is for the old target
     return new
 
@@ -233,11 +205,9 @@ def _use_stage_device(graph: fx.Graph) -> None:
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         device = graph.create_node("get_attr", "stage_device", name="stage_device")
     swap = lambda value: device if isinstance(value, torch.device) else value
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            # device="cuda:0" written in the model's code is a literal too
-            kwargs = {k: device if k == "device" and isinstance(v, str) else v for k, v in node.kwargs.items()}
-            node.args, node.kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(kwargs, swap)
+    for node in graph.nodes:  # also a device="cuda:0" string written in the model's code
+        kwargs = {k: device if k == "device" and isinstance(v, str) else v for k, v in node.kwargs.items()}
+        node.args, node.kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(kwargs, swap)
     if not device.users:
         graph.erase_node(device)
 
@@ -299,9 +269,8 @@ def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tupl
             view = first is None or not isinstance(first.meta.get("val"), torch.Tensor) or not any(
                 isinstance(p, list) or (isinstance(p, fx.Node) and isinstance(p.meta.get("val"), torch.Tensor))
                 for p in index)
-        else:
-            owner = getattr(target, "__objclass__", None)  # a method descriptor: torch.Tensor.view
-            module = getattr(target, "__module__", None) or getattr(owner, "__module__", "")
+        else:  # torch.Tensor.view is a method descriptor: its class names the module
+            module = getattr(target, "__module__", None) or getattr(getattr(target, "__objclass__", None), "__module__", "")
             view = target is getattr or (str(module).startswith("torch") and name in _VIEW_NAMES)
         aliased = [first] if view or written else []
     if node.op != "call_module":
@@ -350,12 +319,9 @@ class _GraphFacts:
                 a = self.alias[a]
             return a
 
-        writable: dict[fx.Node, None] = {}
         for w in body:
             for a in self.writes[w]:
                 root = local_root(a)
-                if root in input_set:
-                    writable[root] = None
                 if self.base[a].op == "get_attr":  # a buffer: every stage holds the same object
                     continue
                 for m in [m for m in self.base if self.base[m] is self.base[a]]:  # all that share a's storage
@@ -371,7 +337,7 @@ class _GraphFacts:
                                 f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor "
                                 f"it receives, so that read would not see the write. Write out of place there "
                                 f"(x = x + y rather than x += y, inplace=False), or move the cut.")
-        return list(writable)
+        return list(dict.fromkeys(root for root in (local_root(a) for w in body for a in self.writes[w]) if root in input_set))
 
 
 def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -407,16 +373,13 @@ def _where(node: fx.Node) -> str:
 def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: list[fx.Node]) -> str:
     lines = [f"# autopipe stage {sp.index} of {plan.n_stages} on {sp.device}: {len(sp.nodes)} nodes, "
              f"{100 * sp.cost / (plan.total_cost or 1):.1f}% of the {plan.balance}"]
-    for n in sp.inputs:
-        producer = plan.tensors[n].producer if n in plan.tensors else -1
-        lines.append(f"#   in  {n:<28} from {'model input' if producer < 0 else f'stage {producer}'}")
+    producers = {n: plan.tensors[n].producer for n in sp.inputs}
+    lines += [f"#   in  {n:<28} from {'model input' if p < 0 else f'stage {p}'}" for n, p in producers.items()]
     for n in sp.outputs:
-        info = plan.tensors[n]
-        sinks = [f"stage {c}" for c in info.consumers] + (["model output"] if info.is_output else [])
+        sinks = [f"stage {c}" for c in plan.tensors[n].consumers] + (["model output"] if plan.tensors[n].is_output else [])
         lines.append(f"#   out {n:<28} to {', '.join(sinks)}")
-    for label, names in (("recomputed here instead of received", list(sp.replicated)),
-                         ("random ops draw from the generator argument", [n.name for n in routes]),
-                         ("written in place, so cloned first", [n.name for n in writable])):
-        if names:
-            lines.append(f"#   {label}: {', '.join(names)}")
+    notes = (("recomputed here instead of received", list(sp.replicated)),
+             ("random ops draw from the generator argument", [n.name for n in routes]),
+             ("written in place, so cloned first", [n.name for n in writable]))
+    lines += [f"#   {label}: {', '.join(names)}" for label, names in notes if names]
     return "\n".join(lines) + "\n"

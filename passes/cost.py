@@ -4,6 +4,7 @@ element."""
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import operator
 import statistics
@@ -141,16 +142,35 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
 
 
 class _Timer(fx.Interpreter):
-    """Runs the graph eagerly on real inputs, adding each node's wall time to seconds (balance="time")."""
+    """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on
+    the CPU; on a GPU, CUDA events around the node, read once the run is done (the host clock would time only
+    the kernel launch)."""
 
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, list[float]]):
         super().__init__(gm)
         self.seconds = seconds
+        self.events: list[tuple[str, Any, Any]] | None = None  # (node, begin, end) on a GPU
 
     def run_node(self, n: fx.Node):
-        start = time.perf_counter()
+        if self.events is None:
+            start = time.perf_counter()
+            result = super().run_node(n)
+            self.seconds[n.name].append(time.perf_counter() - start)
+            return result
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         result = super().run_node(n)
-        self.seconds[n.name].append(time.perf_counter() - start)
+        end.record()
+        self.events.append((n.name, begin, end))
+        return result
+
+    def run(self, *args):
+        cuda = any(t.is_cuda for t in itertools.chain(args, self.module.parameters()) if isinstance(t, torch.Tensor))
+        self.events = [] if cuda else None
+        result = super().run(*args)
+        for name, begin, end in self.events or []:
+            end.synchronize()
+            self.seconds[name].append(begin.elapsed_time(end) / 1e3)
         return result
 
 

@@ -1,8 +1,7 @@
 """The exact balanced, fewest-crossings cut of a node chain into K contiguous stages (numpy only).
 
 Position p is the cut just before node p. With W the prefix sums of the weights and L[p] the bytes
-live across p (a replicable node's output never is), stage [a, b) costs W[b] - W[a] + comm * (L[a] + L[b])
-= closing[b] - opening[a] and holds its nodes' memory, each shared tensor it touches and
+live across p, stage [a, b) costs W[b] - W[a] and holds each shared tensor it touches and
 activation_multiplier * L[a]. First the least bottleneck B*, by bisection snapped onto attained stage
 costs (chains-on-chains partitioning: Bokhari 1988, Pinar & Aykanat 2004); then, among plans within
 (1 + tolerance) B*, the fewest then smallest crossing tensors: a shortest path through K layers of cut
@@ -25,9 +24,6 @@ class CutProblem:
     consumers: Sequence[Sequence[int]]  # consumers[i]: nodes j > i that read node i's output
     n_stages: int  # K: the exact number of non-empty contiguous stages
     tolerance: float = 0.03  # plans with bottleneck <= (1 + tolerance) * optimum are balanced enough
-    comm_cost_per_byte: float = 0.0  # a stage also costs this per byte live across either of its cuts
-    replicable: Sequence[bool] | None = None  # recomputed by every reader: its output never crosses a cut
-    node_memory: Sequence[float] | None = None  # resident bytes of node i (params, grads, optimizer state)
     shared_memory: Sequence[tuple[float, Sequence[int]]] | None = None  # (bytes, nodes): once per stage using it
     activation_multiplier: float = 0.0  # a stage also holds this times the bytes live across its first cut
     memory_cap: float | None = None  # per-stage cap on the memory above
@@ -53,12 +49,10 @@ class _Chain:
 
     def __init__(self, problem: CutProblem):
         n = self.n = _validated_size(problem)
-        self.stages, self.cap, self.comm = problem.n_stages, problem.memory_cap, float(problem.comm_cost_per_byte)
-        prefix = np.concatenate(([0.0], np.cumsum(np.asarray(problem.weights, dtype=float))))
+        self.stages, self.cap = problem.n_stages, problem.memory_cap
+        self.prefix = np.concatenate(([0.0], np.cumsum(np.asarray(problem.weights, dtype=float))))
         self.live_tensors, self.live_bytes = _live_across_positions(problem, n)
-        self.opening = prefix - self.comm * self.live_bytes
-        self.closing = prefix + self.comm * self.live_bytes
-        own = np.zeros(n) if problem.node_memory is None else np.array(problem.node_memory, dtype=float)
+        own = np.zeros(n)
         spans: dict[tuple[int, ...], float] = {}
         for size, nodes in problem.shared_memory or ():
             members = tuple(sorted(set(int(i) for i in nodes)))
@@ -73,16 +67,10 @@ class _Chain:
         self.activation = float(problem.activation_multiplier) * self.live_bytes
         self.memory_end = np.full(n, n) if self.cap is None else self.reach(self.cap)
         self.envelope = np.maximum.accumulate(self.memory_end)
-        # cost_floor(a, b) <= cost(a, b), rising in b and falling in a, so a greedy solves it exactly
-        self.floor_close = np.minimum.accumulate(self.closing[::-1])[::-1]
-        self.floor_open = np.maximum.accumulate(self.opening)
-        self.ceiling = float(self.closing.max() - self.opening.min())  # no stage costs more
+        self.ceiling = float(self.prefix[-1])  # no stage costs more
 
     def cost(self, a, b):
-        return self.closing[b] - self.opening[a]
-
-    def cost_floor(self, a, b):
-        return self.floor_close[b] - self.floor_open[a]
+        return self.prefix[b] - self.prefix[a]
 
     def held(self, a, b):
         total = self.own[b] - self.own[a] + self.activation[a]
@@ -96,23 +84,23 @@ class _Chain:
         return _last_ok(lambda b: self.held(starts, b) <= cap, starts + 1, self.n)
 
     def bands(self, bound: float) -> tuple[list[int], list[int], float]:
-        """[low[s], high[s]]: where cut s may be when every stage costs <= bound, by greedy on the relaxation
-        from both ends; and the least bound at which the bands would widen."""
+        """[low[s], high[s]]: where cut s may be when every stage costs <= bound, by greedy on cost and the memory
+        envelope from both ends; and the least bound at which the bands would widen."""
         n, k = self.n, self.stages
         high, low, widen = [0], [n], math.inf
         for s in range(1, k + 1):
             a = high[-1]
-            by_cost = a + int(np.count_nonzero(self.floor_close[a + 1:] - self.floor_open[a] <= bound))
+            by_cost = a + int(np.count_nonzero(self.prefix[a + 1:] - self.prefix[a] <= bound))
             limit = min(int(self.envelope[a]), n - k + s)
             if by_cost < limit:
-                widen = min(widen, float(self.cost_floor(a, by_cost + 1)))
+                widen = min(widen, float(self.cost(a, by_cost + 1)))
             high.append(min(by_cost, limit))
         for s in range(k - 1, -1, -1):
             b = low[-1]
-            by_cost = int(np.count_nonzero(self.floor_close[b] - self.floor_open[:b] > bound))
+            by_cost = int(np.count_nonzero(self.prefix[b] - self.prefix[:b] > bound))
             by_memory = int(np.searchsorted(self.envelope, b))
             if by_cost > max(by_memory, s):
-                widen = min(widen, float(self.cost_floor(by_cost - 1, b)))
+                widen = min(widen, float(self.cost(by_cost - 1, b)))
             low.append(max(by_cost, by_memory, s))
         return low[::-1], high, widen
 
@@ -144,7 +132,7 @@ def _validated_size(problem: CutProblem) -> int:
         raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: "
                          f"use at most {n} stages")
     shared = problem.shared_memory or ()
-    fields = ("weights", "out_bytes", "node_memory", "tolerance", "comm_cost_per_byte", "activation_multiplier")
+    fields = ("weights", "out_bytes", "tolerance", "activation_multiplier")
     for name, values in [(f, getattr(problem, f)) for f in fields] + [("shared_memory sizes", [s for s, _ in shared])]:
         values = np.asarray([] if values is None else values, dtype=float)
         if not np.all(np.isfinite(values) & (values >= 0)):
@@ -158,25 +146,16 @@ def _live_across_positions(problem: CutProblem, n: int) -> tuple[np.ndarray, np.
     """Tensors and bytes live across every position, from one difference array: O(N + E)."""
     per_node = np.fromiter(map(len, problem.consumers), dtype=np.int64, count=n)
     readers = np.fromiter(itertools.chain.from_iterable(problem.consumers), dtype=np.int64, count=int(per_node.sum()))
-    source = np.repeat(np.arange(n), per_node)
-    backward = (readers <= source) | (readers >= n)
-    if backward.any():
-        i = int(np.flatnonzero(backward)[0])
-        raise ValueError(f"consumers[{source[i]}] names node {readers[i]}: consumers must come later in the order, "
-                         f"below {n}")
     producers = np.flatnonzero(per_node)
     offsets = (np.cumsum(per_node) - per_node)[producers]
     last_reader = np.maximum.reduceat(readers, offsets) if producers.size else producers
-    if problem.replicable is not None:
-        crosses = ~np.asarray(problem.replicable, dtype=bool)[producers]
-        producers, last_reader = producers[crosses], last_reader[crosses]
     size = np.asarray(problem.out_bytes, dtype=np.int64)[producers]
-    tensors, data = np.zeros(n + 2, np.int64), np.zeros(n + 2, np.int64)
+    tensors, data = np.zeros(n + 1, np.int64), np.zeros(n + 1, np.int64)
     np.add.at(tensors, producers + 1, 1)
     np.add.at(tensors, last_reader + 1, -1)
     np.add.at(data, producers + 1, size)
     np.add.at(data, last_reader + 1, -size)
-    return np.cumsum(tensors)[: n + 1], np.cumsum(data)[: n + 1]
+    return np.cumsum(tensors), np.cumsum(data)
 
 
 def _last_ok(ok, lo, hi) -> np.ndarray:
@@ -195,7 +174,8 @@ def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[
     closes exactly. It gallops up from bottom first: probes near the answer are the cheap ones."""
     top, plan, step = math.inf, None, (ceiling - bottom) * 2.0**-12
     while bottom < top:
-        at = min(bottom + step, ceiling) if plan is None else bottom + (top - bottom) / 2
+        # below top even when no float lies between bottom and top: probing top again would never end
+        at = min(bottom + step, ceiling) if plan is None else min(bottom + (top - bottom) / 2, math.nextafter(top, 0))
         value, found = probe(at)
         if found is not None:
             top, plan = value, found
@@ -207,15 +187,15 @@ def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[
 
 
 def solve_cuts(problem: CutProblem) -> CutSolution:
-    """B*: the relaxation's optimum, exact when splitting a stage never costs or holds more, else a start for
-    the exact search; then the fewest crossings within (1 + tolerance) B*."""
+    """B*: the relaxation's optimum, exact when splitting a stage never holds more, else a start for the exact
+    search; then the fewest crossings within (1 + tolerance) B*."""
     chain = _Chain(problem)
 
     def relaxed(bound: float):
         _, high, widen = chain.bands(bound)
         if high[-1] < chain.n:
             return widen, None
-        return float(chain.cost_floor(np.array(high[:-1]), np.array(high[1:])).max()), tuple(high[:-1])
+        return float(chain.cost(np.array(high[:-1]), np.array(high[1:])).max()), tuple(high[:-1])
 
     def exact(bound: float):
         low, high, missed = chain.bands(bound)
@@ -228,8 +208,7 @@ def solve_cuts(problem: CutProblem) -> CutSolution:
         return max(chain.solution(plan, 0.0).stage_costs), plan
 
     optimum, _ = _smallest_bound(relaxed, 0.0, chain.ceiling)
-    splitting_is_free = chain.comm == 0 and (chain.cap is None or not chain.activation.any())
-    if not (splitting_is_free or math.isinf(optimum)):
+    if chain.cap is not None and chain.activation.any() and not math.isinf(optimum):
         optimum, _ = _smallest_bound(exact, optimum, chain.ceiling)
     if math.isinf(optimum):
         _raise_no_fit(chain)
@@ -246,8 +225,7 @@ def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.in
         starts, first, last = _stage_intervals(reach, low, high, s, end)
         band = slice(low[s], high[s] + 1)
         size = high[s] - low[s] + 1
-        cost = chain.closing[band] + _cover_min_ranked(
-            -chain.opening[starts], first, last, size, np.arange(len(starts)), np.zeros(size, np.int64), math.inf)
+        cost = chain.prefix[band] + _cover_min(-chain.prefix[starts], first, last, size, 0, math.inf)
         hit = cost <= bound  # cost is inf where no start covers
         missed = min(missed, float(cost[~hit].min(initial=math.inf)))
         reach = np.zeros(chain.n + 1, dtype=bool)
@@ -283,7 +261,7 @@ def _trace_back(n: int, low, high, admissible, price) -> tuple[int, ...]:
 
 def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
     """K stages, each costing <= bound and fitting memory, with the least summed cut key: a shortest path
-    through K layers. The starts that may close at b are intervals covering b with opening >= closing[b] - bound."""
+    through K layers. The starts that may close at b are intervals covering b with prefix >= prefix[b] - bound."""
     n, k, (low, high, _) = chain.n, chain.stages, chain.bands(bound)
     keys, infinity = chain.cut_keys()
     totals = [np.zeros(1, dtype=keys.dtype)]  # totals[s][p - low[s]]: least key sum of s stages over [0, p)
@@ -292,11 +270,9 @@ def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
         reached[low[s - 1]: high[s - 1] + 1] = totals[-1] < infinity
         starts, first, last = _stage_intervals(reached, low, high, s, chain.memory_end)
         band = np.arange(low[s], high[s] + 1)
-        rank = np.argsort(np.argsort(chain.opening[starts], kind="stable"))  # each start's place by opening
-        opening = np.sort(chain.opening[starts])
         # the same subtraction as cost(a, b), so that no rounding separates the two
-        need = _last_ok(lambda j: chain.closing[band] - opening[j] > bound, np.zeros_like(band), len(starts) - 1) + 1
-        best = _cover_min_ranked(totals[-1][starts - low[s - 1]], first, last, len(band), rank, need, infinity)
+        need = _last_ok(lambda j: chain.cost(starts[j], band) > bound, np.zeros_like(band), len(starts) - 1) + 1
+        best = _cover_min(totals[-1][starts - low[s - 1]], first, last, len(band), need, infinity)
         totals.append(np.minimum(best + keys[band], infinity))
     assert totals[k][0] < infinity, "the optimal plan is within its own bound"
 
@@ -307,11 +283,11 @@ def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
     return _trace_back(n, low, high, admissible, chain.cost)
 
 
-def _cover_min_ranked(values, first, last, size: int, rank, need, infinity) -> np.ndarray:
-    """For every b < size: the min of values[i] over intervals [first[i], last[i]] covering b with
-    rank[i] >= need[b] (ranks 0..len-1).
+def _cover_min(values, first, last, size: int, need, infinity) -> np.ndarray:
+    """For every b < size: the min of values[i] over intervals [first[i], last[i]] covering b with i >= need[b]
+    (need: an array or one number).
 
-    A merge sort tree: a segment tree over positions whose nodes keep their intervals sorted by rank; a
+    A merge sort tree: a segment tree over positions whose nodes keep their intervals sorted by index; a
     query takes the suffix from need[b] in each node on its leaf-to-root path. All nodes' suffix minima come
     from one cumulative minimum, each node lifted above the next."""
     count = len(values)
@@ -329,10 +305,8 @@ def _cover_min_ranked(values, first, last, size: int, rank, need, infinity) -> n
         keep = low < high
         low, high, owner = low[keep], high[keep], owner[keep]
     node, owner = np.concatenate(nodes), np.concatenate(owners)
-    key = np.sort(node * (count + 1) + rank[owner])  # unique: an interval is in a node at most once
-    by_rank = np.empty(count, np.int64)
-    by_rank[rank] = np.arange(count)
-    node, owner = key // (count + 1), by_rank[key % (count + 1)]
+    key = np.sort(node * (count + 1) + owner)  # unique: an interval is in a node at most once
+    node, owner = key // (count + 1), key % (count + 1)
     distinct, dense = np.unique(values, return_inverse=True)
     lift = np.concatenate(([0], np.cumsum(node[1:] != node[:-1]))) * (count + 1)
     suffix = np.append(np.minimum.accumulate((dense[owner] + lift)[::-1])[::-1] - lift, len(distinct))

@@ -72,9 +72,8 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         if node.op == "placeholder":
             node.name = node.target = next(names)  # fx would rename an argument that shadows a builtin (input)
         elif node.op == "call_function":
-            stack = list(node.meta.get("nn_module_stack", {}).values())
-            path = stack[-1][0] if stack else ""
-            node._rename(re.sub(r"\W", "_", f"{path}_{_op_name(node)}" if path else _op_name(node)))
+            innermost = [v[0] for v in node.meta.get("nn_module_stack", {}).values() if v[0]][-1:]
+            node._rename(re.sub(r"\W", "_", "_".join([*innermost, _op_name(node)])))
     output = graph.output_node()
     output.args = (tuple(output.args[0]),)
     eg.graph_module = gm = fx.GraphModule(unlifted, graph, class_name=f"{type(model).__name__}Graph")

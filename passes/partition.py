@@ -168,7 +168,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
             replicated=tuple(replicated[s]), inputs=tuple(inputs[s]), outputs=tuple(sent[s]), params=tuple(params),
             param_bytes=sum(costed.tensor_bytes[p] for p in params), flops=sum(costed.costs[n.name].flops for n in own),
             cost=sum(weight_of[n] for n in own)))
-    weights = [weight_of[n] for n in order]
+    weights = [weight_of[n] for n in stage_of]  # every owned node (a group: its node and its getitems)
     return Plan(
         stages=stages, tensors=tensors, graph_inputs=[p.name for p in placeholders],
         graph_outputs=[a.name for a in output_args], chunks=chunks,

@@ -1,8 +1,5 @@
-"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors (docs/architecture.md, "trace").
-
-fx first; where it fails, non-strict torch.export with a dynamic batch (export_route.py); with
-``static_batch=n``, torch.export at n rows with no dynamic dimension, for models whose Python fixes the batch.
-"""
+"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors. fx first, else torch.export
+(export_route.py); the routes and ``static_batch``: docs/architecture.md, "Contracts between passes"."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
 
@@ -135,11 +133,9 @@ def _register_dataclasses(tree: Any) -> Any:
 
 def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
           leaf_modules: Iterable[type | str] = (), route: str = "auto", static_batch: int | None = None) -> TracedModel:
-    """Trace ``model(*args, **kwargs)`` into a flat graph with fake-tensor shapes.
-
-    ``route``: "auto" (fx, then export with a dynamic batch), "fx" or "export". ``static_batch=n`` exports the
-    first n rows of the batch tensors with no dynamic dimension (route "export-static"). Torch's global state is
-    left as it was found, also when tracing raises; what had to be put back is in ``notes``."""
+    """Trace ``model(*args, **kwargs)`` into a flat graph with fake-tensor shapes. ``route``: "auto" (fx, then export
+    with a dynamic batch), "fx" or "export"; ``static_batch=n`` exports the first n rows with no dynamic dimension
+    (route "export-static"). Torch's global state is left as it was found, also when tracing raises."""
     if route not in ("auto", "fx", "export"):
         raise ValueError(f"route must be 'auto', 'fx' or 'export', got {route!r}")
     if static_batch is not None:
@@ -238,12 +234,8 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
     with _what_fx_cannot_record(model) as lost:
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
     if lost:
-        raise FxLosesSemantics("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
+        raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
     return traced
-
-
-class FxLosesSemantics(TraceError):
-    """The model's Python did something an fx graph cannot hold; the export route records it."""
 
 
 _FX_TRACING = threading.Lock()
@@ -251,32 +243,46 @@ _FX_TRACING = threading.Lock()
 
 @contextlib.contextmanager
 def _what_fx_cannot_record(model: torch.nn.Module):
-    """fx records only ops on proxies, so two things in a forward vanish from its graph: a grad-mode region
-    (``torch.no_grad()``: its ops would be differentiated) and an in-place op whose arguments are all real tensors
-    (``self.running.mul_(0.9)``: run once, for real, at trace time). Yields what was lost, filled on exit."""
-    tracer_thread, switches, lost = threading.get_ident(), [], []
+    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode switches, in-place
+    writes of parameters and buffers with no traced argument, and random numbers drawn with no traced argument
+    (``torch.rand(n)``: fx runs it once and bakes the draw in as a constant). Yields the list of what was lost,
+    filled on exit."""
+    tracer_thread, switches, draws, lost = threading.get_ident(), [], [], []
     _FX_TRACING.acquire()  # one patch of torch._C._set_grad_enabled at a time
     set_grad_enabled = torch._C._set_grad_enabled
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 
+    def where() -> str:
+        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
+        return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+
     def recording(mode: bool) -> None:
         if threading.get_ident() == tracer_thread:
-            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
-            switches.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "")
+            switches.append(where())
         set_grad_enabled(mode)
+
+    class RealDraws(TorchDispatchMode):  # ops on proxies never reach the dispatcher: these run for real
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in func.tags and not draws:
+                draws.append(f"{func} at {where()}")
+            return func(*args, **(kwargs or {}))
 
     tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
                if not t.is_inference()}  # an inference tensor has no version counter
     versions = {name: t._version for name, t in tensors.items()}
     torch._C._set_grad_enabled = recording
     try:
-        yield lost
+        with RealDraws():
+            yield lost
     finally:
         torch._C._set_grad_enabled = set_grad_enabled
         _FX_TRACING.release()
     written = [name for name, t in tensors.items() if t._version != versions[name]]
     if switches:
         lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
+    if draws:
+        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw "
+                    f"once while tracing and keep as a constant")
     if written:
         lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
                     f"while tracing")
@@ -361,8 +367,7 @@ def _batch_size(tensors: list[torch.Tensor], names: list[str]) -> int:
     return batch
 
 
-def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]],
-                      batch_size: int | None = None) -> str:
+def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]], batch_size: int | None = None) -> str:
     lines = [f"autopipe could not trace {type(model).__name__}:"]
     lines += [f"  - {route}: {type(e).__name__}: {_first_line(e)}{user_frame(e, model)}" for route, e in errors]
     if batch_size is not None:

@@ -187,7 +187,8 @@ def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():
 
 # -- 7. thread-local state follows the work ----------------------------------------------------
 
-def test_saved_tensors_hooks_run_for_every_stage_like_the_plain_model():
+@pytest.mark.parametrize("track_memory", [False, True])  # its own saved-tensor counter chains to the user's hooks
+def test_saved_tensors_hooks_run_for_every_stage_like_the_plain_model(track_memory):
     torch.manual_seed(0)
     model = MLP()
     x = torch.randn(8, 8)
@@ -201,10 +202,12 @@ def test_saved_tensors_hooks_run_for_every_stage_like_the_plain_model():
 
     with torch.autograd.graph.saved_tensors_hooks(counting("plain"), lambda t: t):
         model(x).sum().backward()
-    pipe = autopipe.compile(model, devices=2, chunks=1, checkpoint="never", example_inputs=(x,))
+    pipe = autopipe.compile(model, devices=2, chunks=1, checkpoint="never", example_inputs=(x,),
+                            track_memory=track_memory)
     with torch.autograd.graph.saved_tensors_hooks(counting("pipe"), lambda t: t):
         pipe(x).sum().backward()
     assert counts["pipe"] == counts["plain"] > 0
+    assert pipe.memory.tracked == track_memory and (pipe.memory.stages[0].kept > 0) == track_memory
     model.zero_grad()
     model(x).sum().backward()
     expected = grads_of(model)

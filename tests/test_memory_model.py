@@ -131,7 +131,7 @@ def test_predicted_kept_and_recompute_match_measured(name, checkpoint, own_stora
         model, x, devices = GPT(), random_inputs("gpt", batch=8)[0][0], 2
     plan, memory = _measured(model, x, devices, 4, checkpoint)
     predicted = mm.predict_memory(_costed(model, (x,)), plan, "gpipe", checkpoint, 4)
-    report = mm.beside_measured(predicted, memory)
+    report = f"{predicted}\n{memory}"
     for p, m in zip(predicted, memory.stages):
         assert p.kept_activations == p.kept_all  # GPipe: every micro-batch is in flight at once
         assert m.kept > 0 and abs(m.kept - p.kept_all) <= TOLERANCE * m.kept, report

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopipe import random_ops
-from autopipe.random_ops import UnroutedRandomOp, is_random_module, is_random_target, module_draws
+from autopipe.random_ops import UnroutedRandomOp, is_random_target, module_draws
 
 aten = torch.ops.aten
 
@@ -28,14 +28,14 @@ def test_deterministic_targets(target):
 
 
 def test_random_modules():
-    assert is_random_module(nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
-    assert is_random_module(nn.MultiheadAttention(4, 2))
-    assert not is_random_module(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert module_draws(nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
+    assert module_draws(nn.MultiheadAttention(4, 2, dropout=0.1))
+    assert not module_draws(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
 
     class Opaque(nn.Module):  # code fx did not look into: it may draw
         def forward(self, x):
             return x
-    assert is_random_module(Opaque())
+    assert module_draws(Opaque())
 
 
 def test_module_draws_follows_mode_and_probability():
@@ -147,3 +147,22 @@ def test_aten_routes():
     assert random_ops.aten_route(aten.randint.low) == ("kwarg", aten.randint.low_generator)
     assert random_ops.aten_route(aten.lstm.input) == ("wrap", aten.lstm.input)
     assert random_ops.aten_route(aten._scaled_dot_product_flash_attention_for_cpu.default) == ("unrouted", None)
+
+
+def test_a_kernel_that_takes_no_generator_draws_from_the_given_one_on_the_default_generators_place():
+    """on_default_generator (fused attention on a GPU; tested here with a CPU kernel): the same generator
+    state gives the same numbers, the generator moves on, and the default generator is left as it was."""
+    q = torch.randn(64, 16)
+
+    def fused(q):  # a kernel with no generator argument (the CPU's flash attention refuses dropout)
+        return aten.native_dropout(q, 0.5, True)[0]
+
+    torch.manual_seed(3)
+    marker = torch.rand(3)
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(1)
+    first = random_ops.on_default_generator(g, fused, q)
+    second = random_ops.on_default_generator(g, fused, q)
+    replay = random_ops.on_default_generator(torch.Generator().manual_seed(1), fused, q)
+    assert torch.equal(first, replay) and not torch.equal(first, second)
+    assert torch.equal(torch.rand(3), marker), "the default generator moved"

@@ -1,9 +1,7 @@
 """Deferred BatchNorm: running statistics from the whole mini-batch, as the plain model's.
 
-torchgpipe's DeferredBatchNorm (torchgpipe/batchnorm.py), without swapping the user's modules: a thread-local
-TorchFunctionMode intercepts ``F.batch_norm`` (fx route) and ``aten.batch_norm`` (export route); see
-docs/architecture.md, "Runtime".
-"""
+torchgpipe's DeferredBatchNorm (torchgpipe/batchnorm.py), without swapping the user's modules: a thread-local TorchFunctionMode intercepts
+``F.batch_norm`` (fx route) and ``aten.batch_norm`` (export route); see docs/architecture.md, "Runtime"."""
 from __future__ import annotations
 
 import threading
@@ -29,16 +27,14 @@ class DeferredStatistics:
     """Per-step per-channel sums shared by the stages' workers; committed once after the forward phase."""
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = {id(m.running_mean): m for m in model.modules()
-                        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
+        self.modules = {id(m.running_mean): m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
         self.stats: dict[int, _Stats] = {}
         self.lock = threading.Lock()
 
     def accumulate(self, running_mean: torch.Tensor, x: torch.Tensor, momentum: float | None) -> None:
         dims = [0] + list(range(2, x.dim()))
-        with torch.no_grad():
-            xf = x.detach().float()
-            total, squares = xf.sum(dim=dims), (xf * xf).sum(dim=dims)
+        xf = x.detach().float()  # detached: nothing here records a graph
+        total, squares = xf.sum(dim=dims), (xf * xf).sum(dim=dims)
         count = x.numel() // x.shape[1]
         with self.lock:
             if id(running_mean) not in self.stats:
@@ -69,12 +65,8 @@ class DeferredBatchNorm(TorchFunctionMode):
 
     def __init__(self, statistics: DeferredStatistics, accumulate: bool = True):
         super().__init__()
-        self.statistics = statistics
-        self.accumulate = accumulate  # False while re-materialising: the forward already counted
-
-    def _count(self, running_mean: torch.Tensor, x: torch.Tensor, momentum: float | None) -> None:
-        if self.accumulate:
-            self.statistics.accumulate(running_mean, x, momentum)
+        # accumulate=False while re-materialising: the forward already counted
+        self._count = statistics.accumulate if accumulate else lambda running_mean, x, momentum: None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

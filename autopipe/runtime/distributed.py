@@ -40,6 +40,16 @@ def _rank_device(model: torch.nn.Module) -> torch.device:
     return found.pop() if found else torch.device("cpu")
 
 
+def _backend(device: torch.device) -> str:
+    """NCCL where every local rank can have a GPU of its own (the device made current first, as NCCL needs);
+    else gloo, which carries a CUDA rank's messages through host memory (two processes sharing one GPU)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if device.type == "cuda" and torch.cuda.device_count() >= local_ranks:
+        torch.cuda.set_device(device)
+        return "nccl"
+    return "gloo"
+
+
 def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     owner_name, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(owner_name), attr)
@@ -54,7 +64,7 @@ class DistributedPipeline(torch.nn.Module):
         object.__setattr__(self, "model", model)
         options = dataclasses.replace(options, devices=(_rank_device(model),) * len(options.devices))
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=max(timeout, 60)))
+            dist.init_process_group(backend=_backend(options.devices[0]), timeout=timedelta(seconds=max(timeout, 60)))
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         if data_parallel < 1 or self.world % data_parallel:
             raise ValueError(f"data_parallel={data_parallel} must divide the world size {self.world}")

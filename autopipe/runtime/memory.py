@@ -1,5 +1,4 @@
-"""The memory report: bytes each stage keeps between forward and backward, and its peak; how they are counted:
-docs/architecture.md, "Memory report"."""
+"""The memory report: bytes each stage keeps between forward and backward, and its peak; how they are counted: docs/architecture.md, "Memory report"."""
 from __future__ import annotations
 
 import threading
@@ -15,7 +14,8 @@ from autopipe.plan import human_bytes
 class StageMemory:
     kept: int = 0            # bytes held from the end of forward to backward, all micro-batches
     recompute_peak: int = 0  # largest activations of one re-materialised micro-batch (GPipe sec. 2.3)
-    cuda_peak: int | None = None
+    cuda_peak: int | None = None  # the device's allocator peak during the step, where the step raised it
+    device: str | None = None
 
     @property
     def peak(self) -> int:
@@ -45,11 +45,16 @@ class MemoryReport:
         if not self.tracked:
             return ("Memory: not measured. Compile with track_memory=True to count the bytes each stage keeps "
                     "between forward and backward (it hooks every tensor autograd saves).")
-        rows = [[j, human_bytes(s.kept), human_bytes(s.recompute_peak), human_bytes(s.peak),
-                 "-" if s.cuda_peak is None else human_bytes(s.cuda_peak)] for j, s in enumerate(self.stages)]
+        def cuda(j: int, s: StageMemory) -> str:  # one allocator per device: stages on one GPU share its peak
+            if s.cuda_peak is None:
+                return "-"
+            others = [str(k) for k, t in enumerate(self.stages) if k != j and t.device == s.device]
+            return f"{human_bytes(s.cuda_peak)} {s.device}" + (f", shared with stage {', '.join(others)}" if others else "")
+
+        rows = [[j, human_bytes(s.kept), human_bytes(s.recompute_peak), human_bytes(s.peak), cuda(j, s)]
+                for j, s in enumerate(self.stages)]
         return (f"Memory of the last step (checkpoint={self.checkpoint!r}; saved activations, parameters excluded):\n"
-                + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"],
-                           tablefmt="simple"))
+                + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"], tablefmt="simple"))
 
     __repr__ = __str__
 
@@ -59,14 +64,16 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     storage pointers of the stage's parameters: weights, and views of them like weight.t(), are resident)."""
 
     def __init__(self, exclude: set[int]):
-        super().__init__(self._pack, lambda t: t)
+        # the caller's hooks (save_on_cpu) are chained, not shadowed: only the innermost pair of hooks runs
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        super().__init__(self._pack, self.outer[1] if self.outer else lambda t: t)
         self.exclude = exclude
         self.storages: dict[int, int] = {}
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor):
         if t.device.type != "meta" and t.untyped_storage().data_ptr() not in self.exclude:
             self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return self.outer[0](t) if self.outer else t
 
     @property
     def total(self) -> int:

@@ -18,8 +18,7 @@ def micro_batch_sizes(batch: int, chunks: int) -> list[int]:
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks}")
     if batch < chunks:
-        warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row",
-                      stacklevel=4)
+        warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row", stacklevel=4)
         chunks = max(batch, 1)
     base, extra = divmod(batch, chunks)
     return [base + (1 if i < extra else 0) for i in range(chunks)]
@@ -41,9 +40,7 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """Concatenated; a 0-dim float (a loss computed inside the model): the micro-batch-size-weighted mean."""
     if parts[0].dim() > 0:
         return parts[0] if len(parts) == 1 else torch.cat(list(parts))
-    if not parts[0].is_floating_point():
-        return parts[0]
-    return sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
+    return sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes)) if parts[0].is_floating_point() else parts[0]
 
 
 def split_grad(grad: torch.Tensor | None, like: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
@@ -59,6 +56,5 @@ def split_target(target, sizes: list[int]) -> list:
     """A loss target per micro-batch: tensors (also in tuples, lists, dicts) with the batch in dim 0 are cut
     like the inputs; anything else goes to every micro-batch."""
     leaves, spec = pytree.tree_flatten(target)
-    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == sum(sizes)
-               else [t] * len(sizes) for t in leaves]
+    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == sum(sizes) else [t] * len(sizes) for t in leaves]
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(len(sizes))]

@@ -40,6 +40,10 @@ class P2PTransport(Transport):
                  name: str) -> None:
         self.spec, self.stages, self.group = spec, stages, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # NCCL moves device memory; gloo host memory, so a CUDA rank stages its messages in pinned host buffers
+        device = next(iter(stages.values())).device
+        self.nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
+        self.wire_device, self.pinned = (device, False) if self.nccl else (torch.device("cpu"), device.type == "cuda")
         self.timeout = timedelta(seconds=timeout)
         self._tags = {e.name: k for k, e in enumerate(spec.edges)}
         self._edges = {e.name: e for e in spec.edges}
@@ -143,7 +147,7 @@ class P2PTransport(Transport):
 
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
-        buffer = edge.empty(self.sizes[i])
+        buffer = self._on_wire(edge.empty(self.sizes[i]))
         reader = message[3] if message[0] == "B" else None
         if reader is None:
             self.values[i][edge.name] = buffer
@@ -231,12 +235,17 @@ class P2PTransport(Transport):
     def _post(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> tuple[Any, int, str]:
         """Post one send to (or receive from) rank ``peer``: (work, peer, what it is)."""
         what = f"send {what} to rank {peer}" if send else f"receive {what} from rank {peer}"
-        if tensor.device.type != "cpu":  # gloo moves host memory: a CUDA stage's values go through the host
-            tensor = tensor.cpu()
+        tensor = self._on_wire(tensor)
         try:
             return (self.group.send if send else self.group.recv)([tensor], peer, tag), peer, what
         except RuntimeError as err:
             raise self._comm_error(f"posting {what}", peer, err) from err
+
+    def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where the backend reads it: on the GPU for NCCL, else on the host (pinned for a CUDA rank)."""
+        if not self.pinned or tensor.is_pinned():
+            return tensor.to(self.wire_device)
+        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor)
 
     def _wait(self, posted: Sequence[tuple[Any, int, str]]) -> None:
         for work, peer, what in posted:
@@ -252,6 +261,9 @@ class P2PTransport(Transport):
             if self._poisoned or self.world < 2:
                 return
             self._poisoned = True
+        if self.nccl:  # aborting the communicator fails every pending NCCL operation
+            self.group.abort()
+            return
         try:
             self.group.recv([torch.empty(1)], (self.rank + 1) % self.world, _POISON_TAG).wait(timedelta(milliseconds=1))
         except RuntimeError:

@@ -187,7 +187,8 @@ class _Run:
             if stage.device in self.peaks_before:
                 peak = torch.cuda.max_memory_allocated(stage.device)
                 if peak > self.peaks_before[stage.device]:
-                    self.state.memory.stages[stage.index].cuda_peak = peak
+                    report = self.state.memory.stages[stage.index]
+                    report.cuda_peak, report.device = peak, str(stage.device)
 
     def step(self, targets: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
         loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,

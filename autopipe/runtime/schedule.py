@@ -2,6 +2,8 @@
 GPipe: Huang et al. 2019, fig. 2c; 1F1B and interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM sec. 2.2)."""
 from __future__ import annotations
 
+import collections
+import itertools
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -49,8 +51,7 @@ class Schedule:
     def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> Schedule:
         """All forwards, then all backwards in reverse: stage j runs forward i at clock i + j."""
         backwards = range(chunks - 1, -1, -1) if backward else ()
-        orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards]
-                  for j in range(n_stages)]
+        orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards] for j in range(n_stages)]
         return cls._pack("gpipe", n_stages, n_stages, chunks, orders)
 
     @classmethod
@@ -63,21 +64,18 @@ class Schedule:
 
     @classmethod
     def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> Schedule:
-        """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches
-        through the device's v stages, backwards the same from the last stage; warm-up (v-1)*per_round +
-        2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs; M as `_interleavable`."""
+        """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches through the device's v stages,
+        backwards the same from the last stage; warm-up (v-1)*per_round + 2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs."""
         K, v, M = n_devices, virtual_stages, chunks
         if K < 1 or M < 1:
             raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
         if v < 2:
-            raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); "
-                             "with one stage per device use '1f1b'")
+            raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); with one stage per device use '1f1b'")
         if not _interleavable(K, M):
             below = next(m for m in range(M, 0, -1) if _interleavable(K, m))
             above = next(m for m in range(M, M + K + 1) if _interleavable(K, m))
-            raise ValueError(f"interleaved needs chunks to be a multiple of max(1, chunks // n_devices) "
-                             f"= {M // K} (got chunks={M}, n_devices={K}); any multiple of n_devices "
-                             f"works: nearest valid chunks are {below} and {above}")
+            raise ValueError(f"interleaved needs chunks to be a multiple of max(1, chunks // n_devices) = {M // K} (got chunks={M}, "
+                             f"n_devices={K}); any multiple of n_devices works: nearest valid chunks are {below} and {above}")
         per_round, total = M // max(1, M // K), v * M
         mb = [k // (per_round * v) * per_round + k % per_round for k in range(total)]
         orders = [_one_f_one_b([Task((k // per_round) % v * K + d, mb[k], "F") for k in range(total)],
@@ -93,26 +91,20 @@ class Schedule:
         if name == "interleaved":
             return cls.interleaved(n_devices, virtual_stages, chunks)
         if virtual_stages != 1:
-            raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); "
-                             "use 'interleaved' for several")
+            raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); use 'interleaved' for several")
         return cls.gpipe(n_devices, chunks) if name == "gpipe" else cls.one_f_one_b(n_devices, chunks)
 
     @classmethod
     def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int, orders: Sequence[Sequence[Task]]) -> Schedule:
         """Per-device orders -> clock cycles: each device starts its next task at the first cycle after
         that task's inputs are done. Raises if the orders deadlock, so no worker can hang on them."""
+        pending = [collections.deque(order) for order in orders]
         done: set[Task] = set()
-        heads = [0] * len(orders)
         cycles: list[tuple[Task, ...]] = []
-        while any(h < len(o) for h, o in zip(heads, orders)):
-            now = []
-            for d, order in enumerate(orders):
-                if heads[d] < len(order) and all(p in done for p in _deps(order[heads[d]], n_stages)):
-                    now.append(order[heads[d]])
-                    heads[d] += 1
+        while any(pending):
+            now = [queue.popleft() for queue in pending if queue and all(p in done for p in _deps(queue[0], n_stages))]
             if not now:
-                stuck = [o[h] for h, o in zip(heads, orders) if h < len(o)]
-                raise ValueError(f"{name} orders deadlock: devices wait on {stuck}")
+                raise ValueError(f"{name} orders deadlock: devices wait on {[queue[0] for queue in pending if queue]}")
             done.update(now)
             cycles.append(tuple(sorted(now)))
         s = cls(name, n_stages, n_devices, chunks, tuple(cycles))
@@ -142,11 +134,7 @@ class Schedule:
 
     def max_in_flight(self, stage: int) -> int:
         """Most micro-batches whose forward ran but backward not yet: M for GPipe, K - stage for 1F1B."""
-        live = peak = 0
-        for t in self.stage_order(stage):
-            live += 1 if t.kind == "F" else -1
-            peak = max(peak, live)
-        return peak
+        return max(itertools.accumulate((1 if t.kind == "F" else -1 for t in self.stage_order(stage)), initial=0))
 
     @property
     def bubble_fraction(self) -> float:
@@ -172,15 +160,13 @@ class Schedule:
                 raise ValueError(f"device {next(d for d in busy if busy.count(d) > 1)} runs two tasks at cycle {c}")
         kinds = ("F", "B") if any(t.kind == "B" for t in when) else ("F",)
         every = {Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds}
-        missing = sorted(every - set(when))
-        if missing:
-            raise ValueError(f"missing {missing[0].kind} of micro-batch {missing[0].micro_batch} on stage "
-                             f"{missing[0].stage}: every (stage, micro-batch) needs one {' and one '.join(kinds)}")
+        if (t := min(every - set(when), default=None)) is not None:
+            raise ValueError(f"missing {t.kind} of micro-batch {t.micro_batch} on stage {t.stage}: "
+                             f"every (stage, micro-batch) needs one {' and one '.join(kinds)}")
         for t, c in when.items():
             for p in _deps(t, self.n_stages):
                 if when[p] >= c:
-                    raise ValueError(f"dependency broken: {t!r} at cycle {c} does not come after "
-                                     f"{p!r} at cycle {when[p]}")
+                    raise ValueError(f"dependency broken: {t!r} at cycle {c} does not come after {p!r} at cycle {when[p]}")
 
     def __str__(self) -> str:
         v = self.virtual_stages
@@ -189,9 +175,8 @@ class Schedule:
         width = max([2, len(str(len(self.cycles) - 1))] + [len(cell) for row in grid for cell in row])
         note = ("cells: F<i>.<s> / B<i>.<s> = forward / backward of micro-batch i through stage s"
                 if v > 1 else "cells: F<i> / B<i> = forward / backward of micro-batch i") + ", . = idle"
-        rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, "
-                f"M={self.chunks} micro-batches, {len(self.cycles)} clock cycles, "
-                f"bubble {self.bubble_fraction:.3f}", note,
+        rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, M={self.chunks} micro-batches, "
+                f"{len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", note,
                 "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
         rows += [f"device {d:<2} " + " ".join(f"{cell:>{width}}" for cell in row) for d, row in enumerate(grid)]
         return "\n".join(rows)

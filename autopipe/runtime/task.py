@@ -55,6 +55,7 @@ class Ambient:
     inference: bool
     saved_tensors_hooks: tuple[Callable, Callable] | None
     inline_reason: str | None
+    streams: list  # the caller's current CUDA stream of each device: the stages compute on them (torchgpipe)
 
     @classmethod
     def capture(cls) -> "Ambient":
@@ -69,6 +70,8 @@ class Ambient:
             inference=torch.is_inference_mode_enabled(),
             saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
             inline_reason=reason,
+            streams=[torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
+            if torch.cuda.is_initialized() else [],
         )
 
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
@@ -120,13 +123,25 @@ def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
             table[name] = original
 
 
-def _leaf(x: Any, needs_grad: bool, device: torch.device) -> Any:
-    """A stage input as a leaf of the task's own autograd graph, on the stage's device (a transport delivers values
-    where they were made, or received: the host for gloo)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    x = x.detach() if x.device == device else x.detach().to(device, non_blocking=device.type == "cuda")
-    return x.requires_grad_() if needs_grad and differentiable(x) else x
+def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict) -> torch.Tensor:
+    """``x`` on ``device``: from the host through pinned memory; between GPUs on copy streams, so a transfer
+    overlaps the compute it does not wait for (torchgpipe's copy.py: wait_stream, copy, record_stream)."""
+    if x.device == device or device.type != "cuda":
+        return x if x.device == device else x.to(device)
+    if x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    for d in (x.device, device):
+        if d not in copy_streams:
+            copy_streams[d] = torch.cuda.Stream(d)
+    source, target = copy_streams[x.device], copy_streams[device]
+    source.wait_stream(torch.cuda.current_stream(x.device))  # x is ready on its producer's stream
+    with torch.cuda.stream(source), torch.cuda.stream(target):
+        y = x.to(device, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(target)
+    x.record_stream(source)
+    y.record_stream(compute)
+    return y
 
 
 @dataclass
@@ -167,6 +182,7 @@ class StageRunner:
         self.wrt_params = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
         self.param_ids = {p.untyped_storage().data_ptr() for p in self.wrt_params}
         self.saved: dict[int, _Saved] = {}
+        self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
         self.param_grads: list[torch.Tensor | None] = []
         self._owned: list[bool] = []  # param_grads[k] is a sum this runner made, safe to add to in place
 
@@ -186,16 +202,17 @@ class StageRunner:
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
         """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
-        inputs = [_leaf(x, g and step.training, self.stage.device) for x, g in zip(inputs, needs_grad)]
         keep = step.training and not step.recomputes(i)
         private = step.training and step.deferred is None  # deferred BatchNorm knows the buffers by identity
-        state = [b.clone() for b in self.state] if private and self.state and not keep else None
-        copies = [b.clone() for b in self.state] if private else []
-        with step.timeline.span(self.index, i, "forward"), self._own_state(copies):
-            outputs = self._run(step, i, inputs, first=True)
-        with torch.no_grad():
-            for buffer, copy in zip(self.state, copies):
-                buffer.copy_(copy)
+        with self._on_device(step):
+            inputs = [self._leaf(x, g and step.training) for x, g in zip(inputs, needs_grad)]
+            state = [b.clone() for b in self.state] if private and self.state and not keep else None
+            copies = [b.clone() for b in self.state] if private else []
+            with step.timeline.span(self.index, i, "forward", self.stage.device), self._own_state(copies):
+                outputs = self._run(step, i, inputs, first=True)
+            with torch.no_grad():
+                for buffer, copy in zip(self.state, copies):
+                    buffer.copy_(copy)
         if step.training:
             self.saved[i] = _Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
@@ -204,7 +221,7 @@ class StageRunner:
         """The forward again, from the saved inputs: before the gradient arrives, off the critical path."""
         saved = self.saved[i]
         if saved.outputs is None:
-            with step.timeline.span(self.index, i, "recompute"):
+            with self._on_device(step), step.timeline.span(self.index, i, "recompute", self.stage.device):
                 own = {id(b) for b in self.state} if saved.state is not None else set()
                 snapshot = [(b, b.clone()) for b in self.stage.running_buffers if id(b) not in own] \
                     if self.stage.training else []
@@ -214,6 +231,25 @@ class StageRunner:
                 # recompute's graph saved these buffers, and a tracked write would fail its backward.
                 for buffer, before in snapshot:
                     buffer.data.copy_(before)
+
+    def _leaf(self, x: Any, needs_grad: bool) -> Any:
+        """A stage input as a leaf of the task's own autograd graph, on the stage's device (a transport delivers
+        values where they were made, or received: the host for gloo)."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = _moved(x.detach(), self.stage.device, self.copy_streams)
+        return x.requires_grad_() if needs_grad and differentiable(x) else x
+
+    def _on_device(self, step: StepState) -> contextlib.AbstractContextManager:
+        """A CUDA stage's device made current, and the caller's streams: the step is ordered after the caller's
+        work and before what the caller does with its results, on any stream the caller uses."""
+        if self.stage.device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for stream in step.ambient.streams:
+            stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.cuda.device(self.stage.device))
+        return stack
 
     def _own_state(self, copies: list):
         """The written buffers swapped for ``copies`` while a task runs: its graph saves its own copy, which no
@@ -227,7 +263,7 @@ class StageRunner:
             stack.enter_context(torch.set_grad_enabled(step.training))
             counter = None
             if a.autocast or a.saved_tensors_hooks or a.inference or self._replica_slots or step.deferred \
-                    or step.memory or stage.device.type != "cpu":  # else nothing to enter: ~60 us a task less
+                    or step.memory:  # else nothing to enter: ~60 us a task less
                 counter = self._enter(stack, step, first)
             if self.generator is not None:
                 self.generator.manual_seed(task_seed(step.seed, stage.index, i))
@@ -247,8 +283,6 @@ class StageRunner:
         stage = self.stage
         if step.ambient.inference and not step.training:
             stack.enter_context(torch.inference_mode())
-        if stage.device.type == "cuda":
-            stack.enter_context(torch.cuda.device(stage.device))
         step.ambient.enter(stack, stage.device)
         if self._replica_slots:
             stack.enter_context(_swapped(self._replica_slots))
@@ -268,16 +302,15 @@ class StageRunner:
         for out, g in zip(saved.outputs, output_grads):
             if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 roots.append(out)
-                grads.append(g if g.device == out.device else g.to(out.device))
+                grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams))
         wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         wrt_params = [k for k, p in enumerate(self.params) if p.requires_grad]
         input_grads: list = [None] * len(saved.inputs)
         if not roots or not (wrt_inputs or wrt_params):
             return input_grads
         wrt = [saved.inputs[k] for k in wrt_inputs] + [self.wrt_params[k] for k in wrt_params]
-        with step.timeline.span(self.index, i, "backward"), contextlib.ExitStack() as stack:
-            if self.stage.device.type == "cuda":
-                stack.enter_context(torch.cuda.device(self.stage.device))
+        with self._on_device(step), step.timeline.span(self.index, i, "backward", self.stage.device), \
+                contextlib.ExitStack() as stack:
             step.ambient.enter(stack, self.stage.device)
             got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         for k, g in zip(wrt_inputs, got):

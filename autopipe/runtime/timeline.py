@@ -3,11 +3,14 @@ measured bubble beside the schedule's, busy time per device, and a Chrome trace.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import torch
 
 from .schedule import Schedule
 
@@ -26,15 +29,41 @@ class Event:
 @dataclass
 class Timeline:
     schedule: Schedule
-    events: list[Event] = field(default_factory=list)  # appended by every worker: list.append is atomic
+    _events: list[Event] = field(default_factory=list)  # appended by every worker: list.append is atomic
+    _cuda: list[tuple] = field(default_factory=list)    # CUDA spans: events read when the timeline is
 
     @contextlib.contextmanager
-    def span(self, stage: int, micro_batch: int, kind: str) -> Iterator[None]:
+    def span(self, stage: int, micro_batch: int, kind: str, device=None) -> Iterator[None]:
+        """Host time around the task; on a GPU, CUDA events on the current stream (the host only enqueues)."""
         start = time.perf_counter()
+        marks = None
+        if device is not None and device.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            marks[0].record()
         try:
             yield
         finally:
-            self.events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
+            if marks is None:
+                self._events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
+            else:
+                marks[1].record()
+                self._cuda.append((device, start, Event(stage, micro_batch, kind, start, start), *marks))
+
+    @property
+    def events(self) -> list[Event]:
+        """The tasks' spans. A GPU's are its CUDA events, placed on the host clock at its first task's enqueue
+        time: exact between the tasks of one GPU, approximate across devices."""
+        if self._cuda:
+            pending, self._cuda = self._cuda, []
+            anchors: dict = {}
+            for device, host, _, begin, _ in sorted(pending, key=lambda p: p[1]):
+                anchors.setdefault(device, (host, begin))
+            for device, _, e, begin, end in pending:
+                end.synchronize()
+                host, first = anchors[device]
+                self._events.append(dataclasses.replace(e, start=host + first.elapsed_time(begin) / 1e3,
+                                                        end=host + first.elapsed_time(end) / 1e3))
+        return self._events
 
     @property
     def start(self) -> float:

@@ -1,6 +1,5 @@
-"""What travels between ranks, read from the Plan, so identical on every rank (docs/architecture.md, "Under
-torchrun"): a step exchanges payload only, and a hash of the spec compared once at start-up catches a mismatch
-that would otherwise surface as a size error mid-step."""
+"""What travels between ranks, read from the Plan, so identical on every rank (docs/architecture.md, "Under torchrun"): a step exchanges
+payload only, and a hash of the spec compared once at start-up catches a mismatch that would otherwise surface as a size error mid-step."""
 from __future__ import annotations
 
 import hashlib
@@ -49,14 +48,12 @@ class WireSpec:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> "WireSpec":
-        """Each value to the stages that read it; a model output made before the last stage also goes to
-        the last stage, where the loss runs. Graph inputs do not travel: every rank gets the call's arguments."""
+        """Each value to the stages that read it; a model output made before the last stage also goes to the last stage, where the loss runs.
+        Graph inputs do not travel: every rank gets the call's arguments."""
         last = plan.n_stages - 1
         edges = []
         for name, info in plan.tensors.items():
-            dsts = set(info.consumers) - {info.producer}
-            if info.is_output and info.producer != last:
-                dsts.add(last)
+            dsts = (set(info.consumers) | ({last} if info.is_output else set())) - {info.producer}
             if info.producer < 0 or not dsts:
                 continue
             if info.kind == "other":

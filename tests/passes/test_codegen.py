@@ -509,3 +509,4 @@ def test_save_code_is_importable_text(tmp_path):
     text = open(path).read()
     assert text.startswith("import torch\nimport autopipe.random_ops\n")
     assert isinstance(stages[0], Stage) and isinstance(stages[0].graph, fx.Graph)
+

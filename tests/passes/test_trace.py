@@ -244,11 +244,19 @@ class DecaysItsBuffer(nn.Module):
         return x * self.decay
 
 
+class NoiseInForward(nn.Module):
+    """Noise drawn from sizes alone, as diffusion models sample it: fx would draw it once, into a constant."""
+
+    def forward(self, x):
+        return x + torch.randn(3)
+
+
 @pytest.mark.parametrize("model, lost", [(RunningScale(), "switches grad mode"),
-                                         (DecaysItsBuffer(), "writes decay in place")])
+                                         (DecaysItsBuffer(), "writes decay in place"),
+                                         (NoiseInForward(), "draws random numbers from no traced argument")])
 def test_fx_route_refuses_what_its_graph_would_lose_and_export_keeps_it(model, lost):
-    """fx records neither a no_grad region nor an in-place op on a buffer with constant arguments (it runs that
-    op for real at trace time): its graph would differentiate the region and drop the write."""
+    """fx records neither a no_grad region nor an op with constant arguments (it runs that op for real at trace
+    time): its graph would differentiate the region, drop the write and freeze the noise."""
     x = torch.randn(4, 8 if isinstance(model, RunningScale) else 3)
     buffers = [b.clone() for b in model.buffers()]
     with pytest.raises(TraceError, match=lost):
@@ -257,4 +265,8 @@ def test_fx_route_refuses_what_its_graph_would_lose_and_export_keeps_it(model, l
     assert traced.route == "export" and any(lost in note for note in traced.notes)
     assert all(torch.equal(b, before) for b, before in zip(model.buffers(), buffers))  # tracing wrote nothing
     graph = traced.graph_module.print_readable(print_output=False)
-    assert "mul_" in graph
+    assert ("randn" if isinstance(model, NoiseInForward) else "mul_") in graph
+    if isinstance(model, NoiseInForward):  # new noise on every call, as in the plain model
+        import autopipe
+        pipe = autopipe.compile(model, devices=1, chunks=2, example_inputs=(x,))
+        assert not torch.equal(pipe(x), pipe(x))

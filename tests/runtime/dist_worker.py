@@ -178,7 +178,8 @@ def main():
         if scenario == "dp":
             replica = rank // (world // data_parallel)
             ids, target = ids.chunk(data_parallel)[replica], target.chunk(data_parallel)[replica]
-        device = os.environ.get("DEVICE", "cpu")  # a CUDA model: its stages run there, messages go via the host
+        # a CUDA model: its stages run there ("cuda:{local_rank}": a GPU per rank, NCCL; else via the host, gloo)
+        device = os.environ.get("DEVICE", "cpu").format(local_rank=os.environ["LOCAL_RANK"])
         model, ids, target = model.to(device), ids.to(device), target.to(device)
         pipe = autopipe.compile(model, chunks=4, checkpoint=os.environ.get("CHECKPOINT", "except_last"),
                                 schedule=os.environ.get("SCHEDULE", "gpipe"),
@@ -193,7 +194,8 @@ def main():
                 grads = {n: p.grad.cpu() for n, p in pipe.named_parameters() if p.grad is not None}
                 pipe.zero_grad()
         torch.save({"grads": grads, "losses": losses, "stage": pipe.stage_index, "plan": str(pipe.plan),
-                    "state": pipe.state_dict()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+                    "state": pipe.state_dict(), "backend": str(torch.distributed.get_backend())},
+                   os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "skip":
         v = int(os.environ.get("VIRTUAL_STAGES", "1"))
         model = SkipGPT(vocab=64, d=32, heads=4, layers=world * v, block=16, dropout=0.1).train()

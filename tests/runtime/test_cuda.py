@@ -81,6 +81,8 @@ def test_stages_on_cuda_match_the_plain_model(name):
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")
     assert all(s.cuda_peak is not None for s in pipe.memory.stages)  # the step raised the peak from the reset
+    if count == 1:  # one allocator, one peak: the report says the two stages share it
+        assert "cuda:0, shared with stage 1" in str(pipe.memory), str(pipe.memory)
     # the user's own peak statistics are never reset: a high peak from before a step survives it
     spike = torch.empty(1 << 28, device="cuda:0")
     del spike
@@ -96,6 +98,7 @@ def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_pa
     run = launch("gpt", 2, tmp_path, DEVICE=CUDA, CHECKPOINT="always")
     assert run.codes == [0, 0], run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["backend"] for r in results] == ["gloo", "gloo"]  # one GPU for two ranks: NCCL cannot share it
     ids, target = (t.to(CUDA) for t in gpt_batch())
     torch.manual_seed(0)
     model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train().to(CUDA)
@@ -244,3 +247,149 @@ def test_cpu_inputs_to_a_model_on_the_gpu(name):
     if float_input:  # the input's gradient comes back to the CPU, as through the plain model's x.to("cuda")
         assert x.grad is not None and x.grad.device.type == "cpu"
         assert_close(x.grad, x_ref.grad, 1e-3, 1e-4, "input gradient")
+
+
+def test_a_caller_on_its_own_stream_is_waited_for_and_waits_for_the_step():
+    """The stages compute on the caller's current stream (torchgpipe's compute streams): an input still being
+    written there when pipe(x) is called is read after the write, and the caller's next kernel on that stream
+    reads the finished output."""
+    model, reference = on_gpu(build("mlp").eval())
+    args, _ = random_inputs("mlp", 64, torch.Generator().manual_seed(0))
+    base = args[0].to(CUDA)
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_inputs=(base,))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy = torch.randn(2048, 2048, device=CUDA)
+        for _ in range(20):  # keeps the side stream busy, so a missing wait would read x half-written
+            busy = busy @ busy / busy.norm()
+        x = base + 0 * busy.sum()
+        out = pipe(x)
+        loss = scalar_loss(out)
+        loss.backward()
+    torch.cuda.synchronize()
+    ref = reference(base)
+    scalar_loss(ref).backward()
+    assert_close(out, ref, 1e-4, 1e-4, "output")
+    assert_grads_match(model, reference)
+
+
+def test_the_timeline_of_a_gpu_step_comes_from_cuda_events():
+    model, _ = on_gpu(build("gpt").eval())
+    args, _ = random_inputs("gpt", 8, torch.Generator().manual_seed(0))
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_inputs=[a.to(CUDA) for a in args])
+    scalar_loss(pipe(*[a.to(CUDA) for a in args])).backward()
+    timeline = pipe.timeline
+    assert len(timeline.events) == 2 * 4 * 2  # forward and backward of 4 micro-batches on 2 stages
+    assert all(e.end > e.start for e in timeline.events)
+    for stage in range(2):  # one stream: a stage's forwards run in micro-batch order, one after another
+        spans = sorted((e.micro_batch, e.start, e.end) for e in timeline.events
+                       if e.stage == stage and e.kind == "forward")
+        assert all(a[2] <= b[1] + 1e-6 for a, b in zip(spans, spans[1:]))
+    assert "device 0" in str(timeline) and 0 < timeline.busy(0) <= timeline.makespan
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+def test_stages_on_two_gpus_copy_on_copy_streams_and_match_the_plain_model():
+    torch.manual_seed(0)
+    model, reference = on_gpu(GPT(dropout=None, tied=True))
+    ids, targets = (t.to(CUDA) for t in tokens())
+    pipe = autopipe.compile(model, devices=["cuda:0", "cuda:1"], chunks=4, example_inputs=(ids,))
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        out, ref = pipe(ids), reference(ids)
+        assert out.device == torch.device("cuda:1")
+        assert_close(out.to(CUDA), ref, 1e-4, 1e-4, f"logits, step {step}")
+        lm_loss(out, targets.to("cuda:1")).backward()
+        lm_loss(ref, targets).backward()
+        assert_grads_match(model, reference)
+    runner = pipe.compiled.main.runners[1]
+    assert set(runner.copy_streams) == {torch.device("cuda:0"), torch.device("cuda:1")}
+
+
+@two_gpus
+def test_two_processes_on_two_gpus_over_nccl_match_the_in_process_pipeline(tmp_path):
+    from test_distributed import gpt_batch, launch, lm_loss
+    run = launch("gpt", 2, tmp_path, DEVICE="cuda:{local_rank}", CHECKPOINT="always")
+    assert run.codes == [0, 0], run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["backend"] for r in results] == ["nccl", "nccl"]  # a GPU per rank: device memory over NCCL
+    ids, target = (t.to(CUDA) for t in gpt_batch())
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train().to(CUDA)
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint="always")
+    torch.manual_seed(100)
+    loss = pipe.step(ids, target=target, loss_fn=lm_loss)
+    assert results[-1]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
+    for r in results:
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(name).grad.cpu(), rtol=1e-4, atol=1e-5)
+
+
+class AttentionDropoutStack(torch.nn.Module):
+    """Blocks of self-attention with attention dropout (``dropout_p`` inside SDPA, as GPT-2's HF code passes it)."""
+
+    def __init__(self, d=64, heads=4, blocks=4, p=0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.qkv = torch.nn.ModuleList([torch.nn.Linear(d, 3 * d) for _ in range(blocks)])
+
+    def forward(self, x):
+        b, t, d = x.shape
+        for qkv in self.qkv:
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in qkv(x).split(d, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+            x = x + y.transpose(1, 2).reshape(b, t, d)
+        return x
+
+
+def test_attention_dropout_keeps_a_fused_kernel_and_replays_exactly():
+    """SDPA with dropout runs torch's fused kernel (flash / memory-efficient) on the task generator's state: the
+    recomputed forward equals the first, dropout does draw, and the caller's CUDA RNG is untouched."""
+    torch.manual_seed(0)
+    model = AttentionDropoutStack().to(CUDA).train()
+    x = torch.randn(8, 32, 64, device=CUDA)
+    outs, grads = {}, {}
+    for mode in ("never", "always"):
+        pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint=mode, example_inputs=(x,))
+        assert all("random_ops.scaled_dot_product_attention" in s.code for s in pipe.stages)
+        model.zero_grad(set_to_none=True)
+        cuda_rng = torch.cuda.get_rng_state()
+        torch.manual_seed(1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = pipe(x)
+            out.square().mean().backward()
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+        names = {e.name for e in prof.events()}
+        assert any("flash_attention" in n or "efficient_attention" in n for n in names), sorted(names)
+        assert "aten::_scaled_dot_product_attention_math" not in names
+        outs[mode], grads[mode] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert torch.equal(outs["always"], outs["never"])
+    with torch.no_grad():
+        model.eval()
+        assert not torch.equal(pipe(x), outs["never"])  # without dropout: another output, so dropout drew
+    for n, g in grads["never"].items():  # the fused backward may sum with atomics: equal up to rounding
+        assert_close(grads["always"][n], g, 1e-4, 1e-5, n)
+
+
+def test_balance_time_times_gpu_nodes_with_cuda_events():
+    """On a GPU the host clock times only a kernel's launch: a large matmul and a tiny add would look alike.
+    CUDA events time the kernels."""
+    from passes.cost import cost
+    from passes.trace import trace
+
+    class MatmulThenAdd(torch.nn.Module):
+        def forward(self, x):
+            y = x @ x
+            return y[:1, :1] + 1
+
+    x = torch.randn(4096, 4096, device=CUDA)
+    costed = cost(trace(MatmulThenAdd(), (x,)), measure_inputs=(x,))
+    seconds = {name: c.seconds for name, c in costed.costs.items()}
+    matmul = next(s for name, s in seconds.items() if "matmul" in name)
+    add = next(s for name, s in seconds.items() if name.startswith("add"))
+    assert matmul > 20 * add, seconds

@@ -47,7 +47,8 @@ def launch(scenario, world, out_dir, timeout=120, stop_after=None, **env) -> Lau
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
     procs, logs = [], []
     for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        e = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True",
                  **{k: str(v) for k, v in env.items()})
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")  # a file, not a pipe: no rank blocks on it

@@ -116,3 +116,97 @@ def test_a_tensor_returned_twice_gets_both_gradients():
     (out["last"].sum() + 2 * out["all"][1].sum()).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+
+
+class _Looped(torch.nn.Module):
+    """One block applied ``n`` times: more ops with ``n``, the same parameters."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.linear, self.drop = n, torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = self.drop(torch.tanh(self.linear(x)))
+        return x
+
+
+def _step_counts(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
+    """(aten ops of the plain step, aten ops of the pipeline's step, Python calls into autopipe/ and passes/
+    during the pipeline's step; random_ops.py's stand-ins for torch's dropout are the model's own calls)."""
+    import sys
+    from pathlib import Path
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    pipe = autopipe.compile(model, devices=1, chunks=1, checkpoint="never", example_inputs=(x,))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        fn(x).sum().backward()
+
+    counts = []
+    for fn in (model, pipe):
+        step(fn)
+        with Ops() as ops:
+            ops.count = 0
+            step(fn)
+        counts.append(ops.count)
+    root = Path(autopipe.__file__).parent.parent
+    ours = (str(root / "autopipe"), str(root / "passes"))
+    calls = [0]
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(ours) and not name.endswith("random_ops.py"):
+            calls[0] += 1
+
+    step(pipe)
+    sys.setprofile(profile)
+    try:
+        step(pipe)
+    finally:
+        sys.setprofile(None)
+    return counts[0], counts[1], calls[0]
+
+
+def test_a_step_pays_no_per_op_tax():
+    """The stage is plain generated code: the pipeline's step runs the plain step's aten ops plus a fixed few,
+    and the runtime's Python work per step does not grow with the model's ops (random ops are routed at codegen,
+    no TorchFunctionMode wraps the stage). Counted, not timed: benchmarks/overhead.py has the seconds."""
+    extra = []
+    for layers in (2, 8):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d=32, heads=4, layers=layers, block=16, dropout=0.1).train()
+        plain, pipe, _ = _step_counts(model, torch.randint(0, 64, (4, 16)))
+        extra.append(pipe - plain)
+    assert extra[0] == extra[1] <= 8, extra
+    torch.manual_seed(0)
+    short, long = (_step_counts(_Looped(n), torch.randn(4, 16)) for n in (4, 16))
+    assert long[0] > 3 * short[0]  # the longer loop does run more ops
+    assert long[1] - long[0] == short[1] - short[0] <= 8
+    assert long[2] == short[2], (short[2], long[2])
+
+
+def test_a_worker_that_cannot_start_fails_the_step_instead_of_hanging():
+    """A worker's start-up (``torch.cuda.set_device`` on a GPU, the thread count here) raising is the step's
+    error, raised promptly; the pipeline's other worker is not left waiting."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = MLP(depth=4)
+    x = torch.randn(8, 8)
+    pipe = autopipe.compile(model, devices=2, chunks=2, intra_op_threads=-1)  # torch.set_num_threads(-1) raises
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not start") as failure:
+        pipe(x).sum().backward()
+    assert "set_num_threads" in str(failure.value.__cause__)
+    assert time.monotonic() - start < 30
+    pipe.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("autopipe-device") and t.is_alive()]
