@@ -4,6 +4,7 @@ element."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import operator
@@ -165,9 +166,11 @@ class _Timer(fx.Interpreter):
         return result
 
     def run(self, *args):
-        cuda = any(t.is_cuda for t in itertools.chain(args, self.module.parameters()) if isinstance(t, torch.Tensor))
+        cuda = next((t.device for t in itertools.chain(args, self.module.parameters())
+                     if isinstance(t, torch.Tensor) and t.is_cuda), None)
         self.events = [] if cuda else None
-        result = super().run(*args)
+        with torch.cuda.device(cuda) if cuda else contextlib.nullcontext():  # events on the model's GPU
+            result = super().run(*args)
         for name, begin, end in self.events or []:
             end.synchronize()
             self.seconds[name].append(begin.elapsed_time(end) / 1e3)

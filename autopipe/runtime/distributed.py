@@ -41,13 +41,18 @@ def _rank_device(model: torch.nn.Module) -> torch.device:
 
 
 def _backend(device: torch.device) -> str:
-    """NCCL where every local rank can have a GPU of its own (the device made current first, as NCCL needs);
-    else gloo, which carries a CUDA rank's messages through host memory (two processes sharing one GPU)."""
+    """NCCL where every local rank can have a GPU of its own (made current first, as NCCL needs); else gloo, which
+    carries a CUDA rank's messages through host memory (two processes sharing one GPU). The same on every rank."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if device.type == "cuda" and torch.cuda.device_count() >= local_ranks:
-        torch.cuda.set_device(device)
-        return "nccl"
-    return "gloo"
+    if device.type != "cuda" or torch.cuda.device_count() < local_ranks:
+        return "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.index != local_rank:
+        raise ValueError(f"local rank {local_rank}'s model is on {device}, but with a GPU for every local rank the "
+                         f"pipeline runs over NCCL, which needs local rank r on cuda:r: model.to(f'cuda:{{LOCAL_RANK}}'). "
+                         f"To share GPUs, call torch.distributed.init_process_group('gloo') before compiling")
+    torch.cuda.set_device(device)
+    return "nccl"
 
 
 def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -81,8 +86,12 @@ class DistributedPipeline(torch.nn.Module):
         self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks,
                                                                       options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        self.pipeline_groups = [dist.new_group(list(range(p * self.n_ranks, (p + 1) * self.n_ranks)))
-                                for p in range(data_parallel)]
+        replicas = [list(range(p * self.n_ranks, (p + 1) * self.n_ranks)) for p in range(data_parallel)]
+        self.pipeline_groups = [dist.new_group(ranks) for ranks in replicas]
+        # NCCL runs a pair's messages in posting order on one stream, both directions: a receive posted ahead
+        # would block the sends it waits for. Messages to a lower rank get groups of their own.
+        self.downward_groups = [dist.new_group(ranks) for ranks in replicas] \
+            if "nccl" in str(dist.get_backend()) else self.pipeline_groups
         self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks)))
                                      for r in range(self.n_ranks)]
 
@@ -140,6 +149,7 @@ class DistributedPipeline(torch.nn.Module):
         stages = {s: program.stages[s] for s in self.stage_indices}
         self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout,
                                        group=self.pipeline_groups[self.replica],
+                                       downward=self.downward_groups[self.replica],
                                        name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         self._runners = {s: StageRunner(stage) for s, stage in stages.items()}
         self._shared = []  # (name, group) of each tied parameter this rank holds with other ranks of its replica
@@ -193,7 +203,7 @@ class DistributedPipeline(torch.nn.Module):
         schedule = self._schedule(len(sizes))
         state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint,
                                 schedule=schedule, deferred_model=self.model if self.deferred_batch_norm else None,
-                                track_memory=False)
+                                track_memory=False, devices=self.options.devices[:1])
         last, loss = len(self.options.devices) - 1, None
         if last in runners:
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, last_stage=last,

@@ -67,13 +67,15 @@ def run_tasks(tasks: Sequence[Task], runners: Callable[[Task], StageRunner], tra
             return
         runner, i = runners(task), task.micro_batch
         try:
-            if task.kind == "F":
-                transport.send_outputs(task.stage, i, runner.forward(step, i, *transport.inputs(task.stage, i)))
-                if loss is not None and task.stage == loss.last_stage:
-                    loss.run(i, transport)
-            else:
-                runner.rematerialise(step, i)  # needs only the saved inputs: before waiting for gradients
-                transport.send_input_grads(task.stage, i, runner.backward(step, i, transport.output_grads(task.stage, i)))
+            with runner.on_device(step):  # the transport's waits and sends too, on the stage's stream
+                if task.kind == "F":
+                    transport.send_outputs(task.stage, i, runner.forward(step, i, *transport.inputs(task.stage, i)))
+                    if loss is not None and task.stage == loss.last_stage:
+                        loss.run(i, transport)
+                else:
+                    runner.rematerialise(step, i)  # needs only the saved inputs: before waiting for gradients
+                    grads = transport.output_grads(task.stage, i)
+                    transport.send_input_grads(task.stage, i, runner.backward(step, i, grads))
         except BaseException as e:
             note_failure(e, task, runner.stage.device)
             raise

@@ -37,8 +37,9 @@ class P2PTransport(Transport):
     A value whose reader is on the same rank, or its gradient, is handed over in memory."""
 
     def __init__(self, spec: WireSpec, stages: dict[int, Any], *, group: dist.ProcessGroup, timeout: float,
-                 name: str) -> None:
+                 name: str, downward: dist.ProcessGroup | None = None) -> None:
         self.spec, self.stages, self.group = spec, stages, group
+        self.downward = downward or group  # carries the messages to a lower rank (NCCL: distributed.py)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         # NCCL moves device memory; gloo host memory, so a CUDA rank stages its messages in pinned host buffers
         device = next(iter(stages.values())).device
@@ -147,7 +148,8 @@ class P2PTransport(Transport):
 
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
-        buffer = self._on_wire(edge.empty(self.sizes[i]))
+        shape = edge.empty(self.sizes[i])
+        buffer = torch.empty(shape.shape, dtype=shape.dtype, device=self.wire_device, pin_memory=self.pinned)
         reader = message[3] if message[0] == "B" else None
         if reader is None:
             self.values[i][edge.name] = buffer
@@ -237,7 +239,8 @@ class P2PTransport(Transport):
         what = f"send {what} to rank {peer}" if send else f"receive {what} from rank {peer}"
         tensor = self._on_wire(tensor)
         try:
-            return (self.group.send if send else self.group.recv)([tensor], peer, tag), peer, what
+            group = self.downward if (peer < self.rank) == send else self.group
+            return (group.send if send else group.recv)([tensor], peer, tag), peer, what
         except RuntimeError as err:
             raise self._comm_error(f"posting {what}", peer, err) from err
 
@@ -261,8 +264,9 @@ class P2PTransport(Transport):
             if self._poisoned or self.world < 2:
                 return
             self._poisoned = True
-        if self.nccl:  # aborting the communicator fails every pending NCCL operation
-            self.group.abort()
+        if self.nccl:  # aborting the communicators fails every pending NCCL operation
+            for group in {self.group, self.downward}:
+                group.abort()
             return
         try:
             self.group.recv([torch.empty(1)], (self.rank + 1) % self.world, _POISON_TAG).wait(timedelta(milliseconds=1))

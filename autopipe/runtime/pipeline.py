@@ -125,7 +125,8 @@ class _Run:
         self.state = StepState.start(
             training=training, random=pipe.model.training and compiled.uses_rng, checkpoint=pipe.checkpoint,
             schedule=self.schedule if training else pipe.schedule_for(self.chunks, forward_only=True),
-            deferred_model=pipe.model if pipe.deferred_batch_norm else None, track_memory=pipe.track_memory)
+            deferred_model=pipe.model if pipe.deferred_batch_norm else None, track_memory=pipe.track_memory,
+            devices=pipe.devices)
         self.input_grad = [training and t.requires_grad for t in flat]
         rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)

@@ -55,10 +55,10 @@ class Ambient:
     inference: bool
     saved_tensors_hooks: tuple[Callable, Callable] | None
     inline_reason: str | None
-    streams: list  # the caller's current CUDA stream of each device: the stages compute on them (torchgpipe)
+    streams: dict  # the caller's current stream of each of the pipeline's GPUs: the stages compute on them
 
     @classmethod
-    def capture(cls) -> "Ambient":
+    def capture(cls, devices=()) -> "Ambient":
         reason = None
         if torch._C._autograd._profiler_enabled():
             reason = "a profiler is active"
@@ -70,8 +70,7 @@ class Ambient:
             inference=torch.is_inference_mode_enabled(),
             saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
             inline_reason=reason,
-            streams=[torch.cuda.current_stream(d) for d in range(torch.cuda.device_count())]
-            if torch.cuda.is_initialized() else [],
+            streams={d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"},
         )
 
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
@@ -98,10 +97,10 @@ class StepState:
 
     @classmethod
     def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
-              deferred_model: torch.nn.Module | None, track_memory: bool) -> "StepState":
+              deferred_model: torch.nn.Module | None, track_memory: bool, devices=()) -> "StepState":
         seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
         return cls(training=training, random=random, checkpoint=checkpoint if training else "never",
-                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(),
+                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(devices),
                    timeline=Timeline(schedule),
                    memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)], checkpoint) if track_memory else None,
                    deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None)
@@ -123,9 +122,10 @@ def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
             table[name] = original
 
 
-def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict) -> torch.Tensor:
+def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict, streams: dict) -> torch.Tensor:
     """``x`` on ``device``: from the host through pinned memory; between GPUs on copy streams, so a transfer
-    overlaps the compute it does not wait for (torchgpipe's copy.py: wait_stream, copy, record_stream)."""
+    waits only for its producer's stream (``streams``: the compute streams) and overlaps the consumer's compute
+    (torchgpipe's copy.py: wait_stream, copy, record_stream)."""
     if x.device == device or device.type != "cuda":
         return x if x.device == device else x.to(device)
     if x.device.type == "cpu":
@@ -134,10 +134,10 @@ def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict) -> torch.T
         if d not in copy_streams:
             copy_streams[d] = torch.cuda.Stream(d)
     source, target = copy_streams[x.device], copy_streams[device]
-    source.wait_stream(torch.cuda.current_stream(x.device))  # x is ready on its producer's stream
+    source.wait_stream(streams.get(x.device) or torch.cuda.current_stream(x.device))
     with torch.cuda.stream(source), torch.cuda.stream(target):
         y = x.to(device, non_blocking=True)
-    compute = torch.cuda.current_stream(device)
+    compute = streams.get(device) or torch.cuda.current_stream(device)
     compute.wait_stream(target)
     x.record_stream(source)
     y.record_stream(compute)
@@ -204,15 +204,14 @@ class StageRunner:
         """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
         keep = step.training and not step.recomputes(i)
         private = step.training and step.deferred is None  # deferred BatchNorm knows the buffers by identity
-        with self._on_device(step):
-            inputs = [self._leaf(x, g and step.training) for x, g in zip(inputs, needs_grad)]
-            state = [b.clone() for b in self.state] if private and self.state and not keep else None
-            copies = [b.clone() for b in self.state] if private else []
-            with step.timeline.span(self.index, i, "forward", self.stage.device), self._own_state(copies):
-                outputs = self._run(step, i, inputs, first=True)
-            with torch.no_grad():
-                for buffer, copy in zip(self.state, copies):
-                    buffer.copy_(copy)
+        inputs = [self._leaf(x, g and step.training, step) for x, g in zip(inputs, needs_grad)]
+        state = [b.clone() for b in self.state] if private and self.state and not keep else None
+        copies = [b.clone() for b in self.state] if private else []
+        with step.timeline.span(self.index, i, "forward", self.stage.device), self._own_state(copies):
+            outputs = self._run(step, i, inputs, first=True)
+        with torch.no_grad():
+            for buffer, copy in zip(self.state, copies):
+                buffer.copy_(copy)
         if step.training:
             self.saved[i] = _Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
@@ -221,7 +220,7 @@ class StageRunner:
         """The forward again, from the saved inputs: before the gradient arrives, off the critical path."""
         saved = self.saved[i]
         if saved.outputs is None:
-            with self._on_device(step), step.timeline.span(self.index, i, "recompute", self.stage.device):
+            with step.timeline.span(self.index, i, "recompute", self.stage.device):
                 own = {id(b) for b in self.state} if saved.state is not None else set()
                 snapshot = [(b, b.clone()) for b in self.stage.running_buffers if id(b) not in own] \
                     if self.stage.training else []
@@ -232,23 +231,22 @@ class StageRunner:
                 for buffer, before in snapshot:
                     buffer.data.copy_(before)
 
-    def _leaf(self, x: Any, needs_grad: bool) -> Any:
+    def _leaf(self, x: Any, needs_grad: bool, step: StepState) -> Any:
         """A stage input as a leaf of the task's own autograd graph, on the stage's device (a transport delivers
         values where they were made, or received: the host for gloo)."""
         if not isinstance(x, torch.Tensor):
             return x
-        x = _moved(x.detach(), self.stage.device, self.copy_streams)
+        x = _moved(x.detach(), self.stage.device, self.copy_streams, step.ambient.streams)
         return x.requires_grad_() if needs_grad and differentiable(x) else x
 
-    def _on_device(self, step: StepState) -> contextlib.AbstractContextManager:
-        """A CUDA stage's device made current, and the caller's streams: the step is ordered after the caller's
-        work and before what the caller does with its results, on any stream the caller uses."""
+    def on_device(self, step: StepState) -> contextlib.AbstractContextManager:
+        """Around a whole task (executor.run_tasks): a CUDA stage's device made current, and on it the caller's
+        stream, so the step is ordered after the caller's work and before what it does with the results."""
         if self.stage.device.type != "cuda":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        for stream in step.ambient.streams:
-            stack.enter_context(torch.cuda.stream(stream))
         stack.enter_context(torch.cuda.device(self.stage.device))
+        stack.enter_context(torch.cuda.stream(step.ambient.streams[self.stage.device]))
         return stack
 
     def _own_state(self, copies: list):
@@ -302,15 +300,15 @@ class StageRunner:
         for out, g in zip(saved.outputs, output_grads):
             if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 roots.append(out)
-                grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams))
+                grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams,
+                                                                     step.ambient.streams))
         wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         wrt_params = [k for k, p in enumerate(self.params) if p.requires_grad]
         input_grads: list = [None] * len(saved.inputs)
         if not roots or not (wrt_inputs or wrt_params):
             return input_grads
         wrt = [saved.inputs[k] for k in wrt_inputs] + [self.wrt_params[k] for k in wrt_params]
-        with self._on_device(step), step.timeline.span(self.index, i, "backward", self.stage.device), \
-                contextlib.ExitStack() as stack:
+        with step.timeline.span(self.index, i, "backward", self.stage.device), contextlib.ExitStack() as stack:
             step.ambient.enter(stack, self.stage.device)
             got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         for k, g in zip(wrt_inputs, got):

@@ -95,7 +95,7 @@ def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_pa
     """torchrun with a CUDA model: each rank's stages run on the GPU, messages go through host memory (gloo), so
     two processes can share the one GPU. Same seeds, same CUDA generators: the in-process pipeline's gradients."""
     from test_distributed import gpt_batch, launch, lm_loss
-    run = launch("gpt", 2, tmp_path, DEVICE=CUDA, CHECKPOINT="always")
+    run = launch("gpt", 2, tmp_path, DEVICE=CUDA, CHECKPOINT="always", CUDA_VISIBLE_DEVICES="0")  # one GPU seen
     assert run.codes == [0, 0], run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["backend"] for r in results] == ["gloo", "gloo"]  # one GPU for two ranks: NCCL cannot share it
@@ -277,7 +277,8 @@ def test_a_caller_on_its_own_stream_is_waited_for_and_waits_for_the_step():
 def test_the_timeline_of_a_gpu_step_comes_from_cuda_events():
     model, _ = on_gpu(build("gpt").eval())
     args, _ = random_inputs("gpt", 8, torch.Generator().manual_seed(0))
-    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, example_inputs=[a.to(CUDA) for a in args])
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint="never",
+                            example_inputs=[a.to(CUDA) for a in args])
     scalar_loss(pipe(*[a.to(CUDA) for a in args])).backward()
     timeline = pipe.timeline
     assert len(timeline.events) == 2 * 4 * 2  # forward and backward of 4 micro-batches on 2 stages
@@ -358,8 +359,8 @@ def test_attention_dropout_keeps_a_fused_kernel_and_replays_exactly():
         pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint=mode, example_inputs=(x,))
         assert all("random_ops.scaled_dot_product_attention" in s.code for s in pipe.stages)
         model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # also seeds the CUDA generators
         cuda_rng = torch.cuda.get_rng_state()
-        torch.manual_seed(1)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = pipe(x)
             out.square().mean().backward()
