@@ -65,21 +65,10 @@ class Compiled:
     def uses_rng(self) -> bool:
         return any(s.uses_rng for program in self.programs.values() for s in program.stages)
 
-    @property
-    def main(self) -> Program:
-        return next(iter(self.programs.values()))
-
-    @property
-    def traced(self):
-        return self.main.traced
-
-    @property
-    def plan(self):
-        return self.main.plan
-
-    @property
-    def stages(self):
-        return self.main.stages
+    main = property(lambda self: next(iter(self.programs.values())), doc="The first Program (the only one, mostly).")
+    traced = property(lambda self: self.main.traced)
+    plan = property(lambda self: self.main.plan)
+    stages = property(lambda self: self.main.stages)
 
     def program(self, size: int) -> Program:
         return self.programs.get(size) or self.programs[None]

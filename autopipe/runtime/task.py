@@ -246,7 +246,7 @@ class StageRunner:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.stage.device))
-        stack.enter_context(torch.cuda.stream(step.ambient.streams[self.stage.device]))
+        stack.enter_context(torch.cuda.stream(step.ambient.streams.get(self.stage.device)))
         return stack
 
     def _own_state(self, copies: list):
