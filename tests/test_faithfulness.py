@@ -277,18 +277,23 @@ def test_tied_embedding_gradients_are_bitwise_reproducible():
     assert all(torch.equal(g, seen[0]) for g in seen)
 
 
-def test_a_parameter_gradient_hook_runs_once_through_step_and_is_refused_through_backward():
-    """The plain model applies a hook once. pipe.step adds the stages' gradients itself (once); pipe(x) +
-    backward() would run it in the stage and again in the engine, so it is refused, naming the parameter."""
+def test_parameter_hooks_run_once_on_the_whole_gradient_through_backward_and_step():
+    """The plain model runs a tensor hook once per backward, on the parameter's whole gradient, then its
+    post-accumulate hook. A stage differentiates a hook-free alias, so per-micro-batch partial gradients never
+    meet the hook: a nonlinear one (normalising) gave 0.74 off through pipe.step with chunks=4 before."""
     torch.manual_seed(0)
     model, x = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))).double(), torch.randn(8, 4, dtype=torch.float64)
     plain = copy.deepcopy(model)
-    for m in (model, plain):
-        m[0].weight.register_hook(lambda g: 2 * g)
+    calls = {"model": 0, "plain": 0}
+    for key, m in (("model", model), ("plain", plain)):
+        m[0].weight.register_hook(lambda g: g / g.norm())
+        m[3].bias.register_post_accumulate_grad_hook(lambda p, key=key: calls.__setitem__(key, calls[key] + 1))
     plain(x).mean().backward()
+    expected = {n: p.grad.clone() for n, p in plain.named_parameters()}
     pipe = autopipe.compile(model, devices=2, chunks=4)
-    with pytest.raises(RuntimeError, match=r"\['0.weight'\] have gradient hooks.*pipe.step"):
-        pipe(x).mean().backward()
-    pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())  # a mean-reduced loss, as step expects
-    for p, q in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    for run in (lambda: pipe(x).mean().backward(), lambda: pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())):
+        model.zero_grad(set_to_none=True)
+        run()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12, msg=n)
+    assert calls == {"model": 2, "plain": 1}  # once per backward, as the plain model

@@ -369,12 +369,6 @@ class Pipeline(torch.nn.Module):
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
         run = _Run(self, compiled, flat, sizes, training)
-        if training and any(p._backward_hooks for p in run.params):
-            # a stage's autograd.grad runs the hook, then the engine runs it again on the Function's result
-            hooked = [n for n, p in self.model.named_parameters() if p._backward_hooks]
-            raise RuntimeError(f"parameters {hooked[:5]} have gradient hooks (Tensor.register_hook): through pipe(x) "
-                               f"and backward() they would run twice. Train with pipe.step(x, target=y, loss_fn=f), "
-                               f"which runs each once, or apply the hook's change to .grad after backward")
         outputs = _PipelineFunction.apply(run, *flat, *run.params) if training else run.forward()
         return compiled.traced.rebuild_output(list(outputs))
 

@@ -37,11 +37,30 @@ def differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-@torch.no_grad()
+class _Deliver(torch.autograd.Function):
+    """A step's gradients handed to the autograd engine, as pipe(x)'s Function hands them: each parameter's hooks
+    run once, on its whole gradient, then AccumulateGrad and the post-accumulate hooks, as in the plain model."""
+
+    @staticmethod
+    def forward(ctx, grads: list, *params: torch.Tensor):
+        ctx.grads = grads
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.grads)
+
+
 def accumulate_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
-    """``pipe.step``: a step's gradients added into ``.grad``, as ``loss.backward()`` would."""
-    for p, g in zip(params, grads):
-        if g is not None:
+    """``pipe.step``: a step's gradients added into ``.grad``, as ``loss.backward()`` would (through the engine
+    where a parameter has hooks)."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if any(p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in pairs):
+        with torch.enable_grad():
+            _Deliver.apply([g for _, g in pairs], *[p for p, _ in pairs]).backward()
+        return
+    with torch.no_grad():
+        for p, g in pairs:
             p.grad = g if p.grad is None else p.grad.add_(g)
 
 
@@ -172,6 +191,7 @@ class StageRunner:
         # its gradient goes to the user's Parameter (pipeline.py sums the stages' gradients on its device)
         self.replicas: dict[int, torch.Tensor] = {}
         self._replica_slots = []
+        self._slots_of: dict[int, list] = {}  # a parameter's places in the stage's module tables
         for table in (t for m in self.stage.modules() for t in (m._parameters, m._buffers)):
             for name, t in table.items():
                 if t is not None and t.device != self.stage.device and id(t) not in where:
@@ -179,7 +199,10 @@ class StageRunner:
                         replica = torch.empty_like(t, device=self.stage.device)
                         self.replicas[id(t)] = replica.requires_grad_(t.requires_grad)
                     self._replica_slots.append((table, name, t, self.replicas[id(t)]))
-        self.wrt_params = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
+                elif isinstance(t, torch.nn.Parameter):
+                    self._slots_of.setdefault(id(t), []).append((table, name))
+        self._wrt = self.wrt_params = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
+        self._alias_slots: list = []
         self.param_ids = {p.untyped_storage().data_ptr() for p in self.wrt_params}
         self.saved: dict[int, _Saved] = {}
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
@@ -195,6 +218,12 @@ class StageRunner:
             with torch.no_grad():
                 for _, _, original, replica in self._replica_slots:
                     replica.copy_(original, non_blocking=True)
+        # A parameter with a gradient hook: the stage differentiates a hook-free alias (same storage), so the hook
+        # runs once, on the step's whole gradient (the engine for pipe(x), accumulate_grads for pipe.step).
+        hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of}
+        self._alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
+                             for table, name in self._slots_of[id(p)]]
+        self.wrt_params = [hooked.get(id(p), w) for p, w in zip(self.params, self._wrt)] if hooked else self._wrt
         self.saved.clear()
         self.param_grads = [None] * len(self.params)
         self._owned = [False] * len(self.params)
@@ -260,7 +289,8 @@ class StageRunner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(step.training))
             counter = None
-            if a.autocast or a.saved_tensors_hooks or a.inference or self._replica_slots or step.deferred \
+            if a.autocast or a.saved_tensors_hooks or a.inference or self._replica_slots or self._alias_slots \
+                    or step.deferred \
                     or step.memory:  # else nothing to enter: ~60 us a task less
                 counter = self._enter(stack, step, first)
             if self.generator is not None:
@@ -282,8 +312,8 @@ class StageRunner:
         if step.ambient.inference and not step.training:
             stack.enter_context(torch.inference_mode())
         step.ambient.enter(stack, stage.device)
-        if self._replica_slots:
-            stack.enter_context(_swapped(self._replica_slots))
+        if self._replica_slots or self._alias_slots:
+            stack.enter_context(_swapped(self._replica_slots + self._alias_slots))
         if step.deferred is not None and stage.running_buffers:
             stack.enter_context(DeferredBatchNorm(step.deferred, accumulate=first))
         if step.memory is not None and step.training:
