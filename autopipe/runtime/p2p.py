@@ -148,8 +148,7 @@ class P2PTransport(Transport):
 
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
-        shape = edge.empty(self.sizes[i])
-        buffer = torch.empty(shape.shape, dtype=shape.dtype, device=self.wire_device, pin_memory=self.pinned)
+        buffer = edge.empty(self.sizes[i], self.wire_device, self.pinned)  # where the backend writes it
         reader = message[3] if message[0] == "B" else None
         if reader is None:
             self.values[i][edge.name] = buffer
@@ -205,7 +204,7 @@ class P2PTransport(Transport):
             if self._local(e.src):
                 self.grads[i][(e.name, stage)] = g
                 continue
-            g = e.empty(self.sizes[i]).zero_() if g is None else g.contiguous()
+            g = e.empty(self.sizes[i], self.wire_device, self.pinned).zero_() if g is None else g.contiguous()
             self.sends.append(self._post(True, g, e.src % self.world, self._tag(e, i, stage),
                                          f"grad of {e.name!r} mb {i}"))
 

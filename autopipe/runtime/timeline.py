@@ -3,7 +3,6 @@ measured bubble beside the schedule's, busy time per device, and a Chrome trace.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -47,7 +46,7 @@ class Timeline:
                 self._events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
             else:
                 marks[1].record()
-                self._cuda.append((device, start, Event(stage, micro_batch, kind, start, start), *marks))
+                self._cuda.append((device, start, stage, micro_batch, kind, *marks))
 
     @property
     def events(self) -> list[Event]:
@@ -56,13 +55,13 @@ class Timeline:
         if self._cuda:
             pending, self._cuda = self._cuda, []
             anchors: dict = {}
-            for device, host, _, begin, _ in sorted(pending, key=lambda p: p[1]):
+            for device, host, *_, begin, _ in sorted(pending, key=lambda p: p[1]):
                 anchors.setdefault(device, (host, begin))
-            for device, _, e, begin, end in pending:
+            for device, _, stage, micro_batch, kind, begin, end in pending:
                 end.synchronize()
                 host, first = anchors[device]
-                self._events.append(dataclasses.replace(e, start=host + first.elapsed_time(begin) / 1e3,
-                                                        end=host + first.elapsed_time(end) / 1e3))
+                self._events.append(Event(stage, micro_batch, kind, host + first.elapsed_time(begin) / 1e3,
+                                          host + first.elapsed_time(end) / 1e3))
         return self._events
 
     @property

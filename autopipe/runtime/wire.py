@@ -25,9 +25,10 @@ class Edge:
         """Gradients flow back; a reader whose input got none sends zeros, so messages never depend on data."""
         return self.info.kind == "tensor" and (self.info.dtype.is_floating_point or self.info.dtype.is_complex)
 
-    def empty(self, rows: int) -> torch.Tensor:  # a micro-batch of ``rows``
-        shape = self.info.shape
-        return torch.empty((rows, *shape[1:]) if self.info.batched and shape else shape, dtype=self.info.dtype)
+    def empty(self, rows: int, device: torch.device | None = None, pin_memory: bool = False) -> torch.Tensor:
+        shape = self.info.shape  # a micro-batch of ``rows``
+        return torch.empty((rows, *shape[1:]) if self.info.batched and shape else shape, dtype=self.info.dtype,
+                           device=device, pin_memory=pin_memory)
 
     def to_wire(self, value: Any) -> torch.Tensor:
         if self.info.kind == "tensor":

@@ -91,14 +91,14 @@ def test_stages_on_cuda_match_the_plain_model(name):
     assert torch.cuda.max_memory_allocated("cuda:0") >= high
 
 
-def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_path):
-    """torchrun with a CUDA model: each rank's stages run on the GPU, messages go through host memory (gloo), so
-    two processes can share the one GPU. Same seeds, same CUDA generators: the in-process pipeline's gradients."""
+def assert_two_ranks_match_the_in_process_pipeline(tmp_path, backend, **env):
+    """Two torchrun processes train the GPT one step: the backend they chose, and the in-process pipeline's loss
+    and gradients (same seeds, same CUDA generators)."""
     from test_distributed import gpt_batch, launch, lm_loss
-    run = launch("gpt", 2, tmp_path, DEVICE=CUDA, CHECKPOINT="always", CUDA_VISIBLE_DEVICES="0")  # one GPU seen
+    run = launch("gpt", 2, tmp_path, CHECKPOINT="always", **env)
     assert run.codes == [0, 0], run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert [r["backend"] for r in results] == ["gloo", "gloo"]  # one GPU for two ranks: NCCL cannot share it
+    assert [r["backend"] for r in results] == [backend, backend]
     ids, target = (t.to(CUDA) for t in gpt_batch())
     torch.manual_seed(0)
     model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train().to(CUDA)
@@ -109,6 +109,12 @@ def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_pa
     for r in results:
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, model.get_parameter(name).grad.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_path):
+    """torchrun with a CUDA model: each rank's stages run on the GPU, messages go through host memory (gloo), so
+    two processes can share the one GPU (NCCL cannot share it)."""
+    assert_two_ranks_match_the_in_process_pipeline(tmp_path, "gloo", DEVICE=CUDA, CUDA_VISIBLE_DEVICES="0")
 
 
 # -- issue 14 ------------------------------------------------------------------------------------------------
@@ -314,21 +320,8 @@ def test_stages_on_two_gpus_copy_on_copy_streams_and_match_the_plain_model():
 
 @two_gpus
 def test_two_processes_on_two_gpus_over_nccl_match_the_in_process_pipeline(tmp_path):
-    from test_distributed import gpt_batch, launch, lm_loss
-    run = launch("gpt", 2, tmp_path, DEVICE="cuda:{local_rank}", CHECKPOINT="always")
-    assert run.codes == [0, 0], run.log()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert [r["backend"] for r in results] == ["nccl", "nccl"]  # a GPU per rank: device memory over NCCL
-    ids, target = (t.to(CUDA) for t in gpt_batch())
-    torch.manual_seed(0)
-    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train().to(CUDA)
-    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=4, checkpoint="always")
-    torch.manual_seed(100)
-    loss = pipe.step(ids, target=target, loss_fn=lm_loss)
-    assert results[-1]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
-    for r in results:
-        for name, grad in r["grads"].items():
-            torch.testing.assert_close(grad, model.get_parameter(name).grad.cpu(), rtol=1e-4, atol=1e-5)
+    """A GPU per rank: device memory over NCCL."""
+    assert_two_ranks_match_the_in_process_pipeline(tmp_path, "nccl", DEVICE="cuda:{local_rank}")
 
 
 class AttentionDropoutStack(torch.nn.Module):
