@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from autopipe.global_state import preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
@@ -118,6 +119,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     there, the torchrun runtime materialises its meta weights. A model that specialises on the batch size is
     traced once per micro-batch size."""
     progress = Progress(options.verbose)
+    args, kwargs = _on_model_device(model, args, kwargs)
 
     def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
         traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
@@ -153,6 +155,16 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             programs = {size: program(size, e) for size in sizes}
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
+
+
+def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):
+    """The example inputs where the model's weights are: stage 0 moves a DataLoader's CPU batch to its device
+    (as torchgpipe moves the input to its first device), so the passes see the batch there."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1 or (device := devices.pop()).type == "meta":
+        return args, kwargs
+    move = lambda t: t.to(device) if t.device != device and t.device.type != "meta" else t
+    return pytree.tree_map_only(torch.Tensor, move, (tuple(args), dict(kwargs or {})))
 
 
 def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):

@@ -9,7 +9,8 @@ Models (zoo/models.py), under bf16 autocast (fp32 weights), random weights:
   cnn          zoo.ResNet50 (torchvision's layout), batch 128 x 3x224x224, BatchNorm in training mode
 A step is zero_grad + forward and cross-entropy under torch.autocast(bfloat16) + backward (no optimizer);
 with --device cpu in float32 (autocast off: bf16 is slow on CPUs without bf16 units).
-Variants, interleaved round by round (benchmarks/_common.py): the plain model, and
+Variants, interleaved round by round (benchmarks/_common.py): the plain model, the plain model looped over
+M micro-batches with gradients accumulated (micro-batching's own cost), and
 autopipe.compile(model, devices=["cuda:0"] * K, chunks=M, checkpoint="never") for K in {1, 2, 4},
 M in {1, 4, 8}. Every variant ends with torch.cuda.synchronize(), so a timed call is the whole step on the GPU.
 
@@ -128,12 +129,14 @@ def main(argv=None) -> int:
            else "in float32 (autocast off: bf16 on this CPU is slow) + backward"),
         *notes,
         "vs plain = t(variant) / t(plain), median of per-round ratios [quartiles] (lower is better; 1.00x = no cost);",
+        "loop M = the plain model over the same M micro-batches, gradients accumulated (what micro-batching costs without",
+        "autopipe); vs loop = t(K, M) / t(loop M): autopipe's own cost at that micro-batch size;",
         f"timeline ({'CUDA events' if device.type == 'cuda' else 'host time'}, pipe.timeline of the last step): "
         "makespan; bubble = idle share of the K stages measured / GPipe's (K-1)/(M+K-1); overlap = sum of busy time "
         "/ makespan (> 1: stages worked at once);",
         "peak = torch.cuda.max_memory_allocated over one more step of that variant alone (peak statistics reset first)",
     ])
-    text = head + "\n" + C.table(rows, ["model", "K", "M", "ms/step", "vs plain", "[quartiles]", "timeline ms",
+    text = head + "\n" + C.table(rows, ["model", "K", "M", "ms/step", "vs plain", "[quartiles]", "vs loop", "timeline ms",
                                         "bubble meas/pred", "overlap", "peak GiB"])
     print(text, flush=True)
     out = args.out
@@ -167,16 +170,30 @@ def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats:
             C.progress(f"{name}: compiling K={K} M={M}")
             pipes[(K, M)] = autopipe.compile(model, devices=[str(device)] * K, chunks=M, checkpoint=checkpoint,
                                              example_inputs=(x,), intra_op_threads=torch.get_num_threads())
-    variants = {"plain": step(model), **{f"K{K} M{M}": step(pipe) for (K, M), pipe in pipes.items()}}
+    def loop(M):  # the plain model over M micro-batches, gradients accumulated: micro-batching's cost without autopipe
+        def run():
+            model.zero_grad(set_to_none=True)
+            for xc, yc in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = loss_fn(model(xc), yc) * (len(xc) / len(x))
+                loss.backward()
+            sync()
+        return run
+
+    variants = {"plain": step(model), **{f"loop M{M}": loop(M) for M in MS if M > 1},
+                **{f"K{K} M{M}": step(pipe) for (K, M), pipe in pipes.items()}}
     C.progress(f"{name}: {len(variants)} variants, {warmup} warm-up + {repeats} rounds, budget {budget:.0f} s")
     t = C.interleaved(variants, repeats=repeats, warmup=warmup, budget=budget, label=f"{name} ")
     peaks = peak_memory(variants, device)
 
-    rows = [[name, "plain", "-", f"{1e3 * t.median('plain'):.2f}", "1.00x", "-", "-", "-", "-", peaks["plain"]]]
+    rows = [[name, "plain", "-", f"{1e3 * t.median('plain'):.2f}", "1.00x", "-", "-", "-", "-", "-", peaks["plain"]]]
+    rows += [[name, "loop", M, f"{1e3 * t.median(f'loop M{M}'):.2f}", f"{t.ratio(f'loop M{M}', 'plain'):.3f}x",
+              t.spread(f"loop M{M}", "plain"), "1.00x", "-", "-", "-", peaks[f"loop M{M}"]] for M in MS if M > 1]
     for (K, M), pipe in pipes.items():
         key, tl = f"K{K} M{M}", pipe.timeline
         busy = sum(tl.busy(d) for d in range(K))
         rows.append([name, K, M, f"{1e3 * t.median(key):.2f}", f"{t.ratio(key, 'plain'):.3f}x", t.spread(key, "plain"),
+                     f"{t.ratio(key, f'loop M{M}'):.3f}x" if M > 1 else "-",
                      f"{1e3 * tl.makespan:.2f}", f"{tl.measured_bubble:.2f} / {tl.predicted_bubble:.2f}",
                      f"{busy / tl.makespan:.2f}" if tl.makespan else "-", peaks[key]])
         pipe.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import operator
 import os
 import re
@@ -48,7 +49,10 @@ class Stage(fx.GraphModule):
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / .cpu(): the stage's device follows its tensors (a probe shows where fn sends one)
         with contextlib.suppress(Exception):  # an fn that cannot take the probe moves nothing we can tell
-            self.stage_device = fn(torch.empty(0, device=self.stage_device)).device
+            device = fn(torch.empty(0, device=self.stage_device)).device
+            for module in self.modules():  # with the subgraphs that read their own (_use_stage_device)
+                if "stage_device" in module.__dict__:
+                    module.stage_device = device
         return super()._apply(fn, recurse)
 
     @property
@@ -122,7 +126,7 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
             env[node] = _emit(graph, node, routes[node], env, generator, graph_module, attributes) if node in routes \
                 else graph.node_copy(node, env.__getitem__)
         graph.output(tuple(env[facts.nodes[name]] for name in sp.outputs))
-        _use_stage_device(graph)
+        _use_stage_device(graph, graph_module, attributes, sp.device)
         graph.lint()
         graph.set_codegen(_CodeGen(graph, graph_module))
         stages.append(Stage(graph_module, graph, sp, _header(plan, sp, routes, writable), attributes, [n.name for n in writable]))
@@ -200,16 +204,34 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
     return new
 
 
-def _use_stage_device(graph: fx.Graph) -> None:
-    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``."""
+def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[str, Any], device: torch.device) -> bool:
+    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph
+    of export's no_grad / autocast regions that names one is copied into ``attributes`` and reads its own, which
+    Stage._apply moves with the stage. Returns whether ``graph`` reads the device."""
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-        device = graph.create_node("get_attr", "stage_device", name="stage_device")
-    swap = lambda value: device if isinstance(value, torch.device) else value
-    for node in graph.nodes:  # also a device="cuda:0" string written in the model's code
-        kwargs = {k: device if k == "device" and isinstance(v, str) else v for k, v in node.kwargs.items()}
+        read = graph.create_node("get_attr", "stage_device", name="stage_device")
+    swap = lambda value: read if isinstance(value, torch.device) else value
+    copied = False
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(sub := _attribute(root, node.target), fx.GraphModule):
+            own: dict[str, Any] = {}
+            if _use_stage_device(subgraph := copy.deepcopy(sub.graph), sub, own, device):
+                node.target = re.sub(r"\W", "_", node.target)
+                attributes[node.target] = fx.GraphModule(_Root(sub, {**own, "stage_device": device}), subgraph, type(sub).__name__)
+                copied = True
+            continue
+        # also a device="cuda:0" string written in the model's code
+        kwargs = {k: read if k == "device" and isinstance(v, str) else v for k, v in node.kwargs.items()}
         node.args, node.kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(kwargs, swap)
-    if not device.users:
-        graph.erase_node(device)
+    if not read.users:
+        graph.erase_node(read)
+    return copied or bool(read.users)
+
+
+def _attribute(root: torch.nn.Module, target: str) -> Any:
+    with contextlib.suppress(AttributeError):
+        return functools.reduce(getattr, target.split("."), root)
+    return None
 
 
 # -- in-place writes and views --------------------------------------------------------

@@ -55,9 +55,10 @@ def test_gpu_benchmark_tiny_on_cpu_workers(tmp_path):
     for field in ("date:", "machine:", "torch ", "gpu: none", "overhead at K=1, M=1"):
         assert field in head, f"header lacks {field!r}"
     assert re.search(r"^-+(  -+)+$", out, re.M), "no tabulate table in the output"
-    for header in ("model", "K", "M", "ms/step", "vs plain", "bubble meas/pred", "overlap", "peak GiB"):
+    for header in ("model", "K", "M", "ms/step", "vs plain", "vs loop", "bubble meas/pred", "overlap", "peak GiB"):
         assert header in out, f"column {header!r} missing"
-    for model in ("transformer", "cnn"):  # the plain row and K in {1, 2, 4} x M in {1, 4, 8}
-        assert len(re.findall(rf"^{model}  ", out, re.M)) == 10, model
+    for model in ("transformer", "cnn"):  # the plain row, the loop over M in {4, 8}, and K in {1, 2, 4} x M in {1, 4, 8}
+        assert len(re.findall(rf"^{model}  ", out, re.M)) == 12, model
+        assert len(re.findall(rf"^{model} +loop +[48] ", out, re.M)) == 2, model
     assert written.read_text().strip() == out.strip()
     assert "wrote" in r.stderr

@@ -196,7 +196,21 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message
     assert r.stdout == ""
 
 
+def _fake_embedding_rejects_float_indices() -> bool:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        try:
+            torch.nn.functional.embedding(torch.zeros(4, 16), torch.zeros(100, 8))
+        except RuntimeError:
+            return True
+    return False
+
+
 def test_a_failing_trace_names_the_node_and_hints_without_a_traceback(factory_file):
+    if not _fake_embedding_rejects_float_indices():
+        pytest.skip("this torch's fake embedding kernel takes float indices: the plan on meta cannot tell")
     r = autopipe("plan", f"{factory_file}:gpt", "--input-shape", "4,16")  # token ids given as float32
     assert r.returncode == 1
     assert "Traceback" not in r.stderr

@@ -140,7 +140,11 @@ def test_randomness_from_the_models_own_generator_fails():
     report = autopipe.verify(NoisyOwnGenerator().train(), (torch.randn(8, 8),), devices=2, chunks=4)
     assert not report.passed, f"\n{report}"
     assert any("not reproducible" in n and "torch.Generator" in n for n in report.notes)
-    assert {r.name for r in report.structure[0].failures if r.kind == "grad"} >= {"layers.0.weight"}
+    structure = report.structure[0]
+    if structure.error is not None:  # torch 2.11's fx cannot carry a Generator argument: autopipe refuses
+        assert "TraceError" in structure.error and "Generator" in structure.error, structure.error
+        return
+    assert {r.name for r in structure.failures if r.kind == "grad"} >= {"layers.0.weight"}
     assert "layers.0.weight" in str(report)
 
 

@@ -467,6 +467,34 @@ def test_stage_device_follows_the_stage():
     assert logits.device.type == "meta" and logits.shape == (4, 8, 64)
 
 
+
+class PositionsUnderNoGrad(nn.Module):
+    """Llama's rotary embedding in small: export puts the no_grad region, and the device it names, in a subgraph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        return self.lin(x) * positions[:, None]
+
+
+def test_a_device_named_inside_an_export_subgraph_follows_the_stage():
+    model, x = PositionsUnderNoGrad(), torch.randn(4, 6, 8)
+    traced = trace(model, (x,), route="export")
+    (region,) = [m for name, m in traced.graph_module.named_children() if isinstance(m, fx.GraphModule)]
+    assert "device(type='cpu')" in region.code  # what a stage traced on the CPU and run on a GPU must not keep
+    (stage,) = codegen(traced.graph_module, partition(cost(traced), 1))
+    subgraphs = [m for m in stage.modules() if isinstance(m, fx.GraphModule) and m is not stage]
+    assert subgraphs and all("device(type=" not in m.code and "self.stage_device" in m.code for m in subgraphs)
+    assert "device(type='cpu')" in region.code  # the traced graph is the caller's: copied, not rewritten
+    torch.testing.assert_close(stage(x)[0], model(x))
+    stage.to("meta")
+    assert [m.stage_device for m in subgraphs] == [torch.device("meta")]
+    assert stage(x.to("meta"))[0].device.type == "meta"
+
 # -- running statistics ----------------------------------------------------------------
 
 class BN(nn.Module):
