@@ -14,7 +14,7 @@ from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
-from autopipe.passes.trace import BatchSpecialised, trace
+from autopipe.passes.trace import BatchSpecialised, output_shapes, trace
 from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
@@ -153,8 +153,28 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             sizes = sorted(set(micro_batch_sizes(e.batch_size, options.chunks)), reverse=True)
             progress.say(f"the model specialises on the batch size: tracing at micro-batch size(s) {sizes}")
             programs = {size: program(size, e) for size in sizes}
+            if options.chunks > 1:
+                _refuse_batch_mixing_outputs(model, args, kwargs, e.batch_size, programs.values())
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
+
+
+def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
+    """A program exported at its micro-batch size shows its outputs at that size alone; the model run on fake
+    tensors shows them at the whole batch. An output whose other dims grew with the batch (CLIP's batch x batch
+    logits) has no concatenation of micro-batch parts equal to it: refused here, before anything runs."""
+    whole = output_shapes(model, args, kwargs)
+    for program in programs if whole is not None else ():
+        plan, traced = program.plan, program.traced
+        for name, position in zip(plan.graph_outputs, traced.output_positions):
+            info, (path, shape) = plan.tensors.get(name), whole[position]
+            if info is not None and info.shape and shape is not None and \
+                    (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
+                raise ValueError(
+                    f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a "
+                    f"micro-batch of {traced.batch_size}: it mixes the rows of the batch, so no concatenation of the "
+                    f"micro-batches' parts is the plain model's value; return it per sample, compute it outside "
+                    f"the model, or run with chunks=1")
 
 
 def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):

@@ -23,6 +23,7 @@ class TensorInfo:
     is_output: bool = False     # also an output of the model
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
     batched: bool = True        # dim 0 is the batch (split into micro-batches)
+    rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch (a (batch * seq, ...) tensor: seq); 0: not a multiple
 
 
 @dataclass(frozen=True)

@@ -103,8 +103,16 @@ class _CodeGen(fx.graph.CodeGen):
 
 
 def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
-    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see."""
+    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an
+    output the micro-batches cannot give."""
     facts = _GraphFacts(graph_module)
+    for name in plan.graph_outputs if plan.chunks > 1 else ():
+        info = plan.tensors.get(name)
+        if info is not None and info.kind == "tensor" and info.shape and not info.rows_per_sample:
+            raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
+                             f"does not carry the batch, so no concatenation of what {plan.chunks} micro-batches give "
+                             f"is the plain model's value; return it per sample, compute it outside the model, or "
+                             f"run with chunks=1")
     stages = []
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]

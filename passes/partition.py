@@ -180,13 +180,14 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
 def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind."""
     val = n.meta.get("val")
-    kind, batched, shape, dtype, nbytes = "other", False, (), torch.int64, 0
+    kind, batched, shape, dtype, nbytes, rows = "other", False, (), torch.int64, 0, 1
     if isinstance(val, torch.Tensor):
         kind, shape, dtype, nbytes = "tensor", tuple(int(d) for d in val.shape), val.dtype, val.nbytes
         batched = bool(val.dim()) and (isinstance(val.shape[0], torch.SymInt) or int(val.shape[0]) == batch)
+        rows = shape[0] // batch if shape and batch and shape[0] % batch == 0 else 0
     elif isinstance(val, (int, torch.SymInt)):
         kind = "int"
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer,
-                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched)
+                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched, rows_per_sample=rows)

@@ -321,6 +321,22 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
                 buffer.copy_(value)
 
 
+def output_shapes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, tuple | None]] | None:
+    """(path, shape) of each of the model's output leaves (shape None: not a tensor), run eagerly on fake inputs:
+    a model exported at its micro-batch size (static_batch) shows its outputs at that size alone. None where the
+    model cannot run on fake tensors."""
+    try:
+        with preserved_global_state(), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
+                FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
+            out = _register_dataclasses(model(*args, **kwargs))
+        with_paths = pytree.tree_flatten_with_path(out)[0]
+    except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
+        return None
+    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None)
+            for path, t in with_paths]
+
+
 class _MetaProp(fx.Interpreter):
     """Meta kernels directly, for a model and inputs all on meta: ~3x faster than FakeTensorMode (48-block GPT)."""
 

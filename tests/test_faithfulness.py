@@ -297,3 +297,74 @@ def test_parameter_hooks_run_once_on_the_whole_gradient_through_backward_and_ste
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12, msg=n)
     assert calls == {"model": 2, "plain": 1}  # once per backward, as the plain model
+
+
+# -- outputs that are not one row a sample ----------------------------------------------
+
+class RoutedTokens(nn.Module):
+    """A mixture-of-experts layer in small: the router's logits come out flattened to (batch * seq, experts), as
+    Mixtral's and Qwen2-MoE's ``router_logits`` do."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.proj = nn.Linear(8, 3), nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (batch, seq, 8)
+        logits = self.router(x.flatten(0, 1))
+        return self.proj(x) * logits.softmax(-1)[:, :1].view(x.shape[0], x.shape[1], 1), logits
+
+
+class BatchStatistic(nn.Module):
+    """Returns a statistic over the batch, whose length (2) equals the micro-batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, h.mean(0)
+
+
+class PairLogits(nn.Module):
+    """CLIP in small: batch x batch similarities; ``specialise`` scales by the batch size, which export cannot keep
+    symbolic, so the model is exported at its micro-batch size."""
+
+    def __init__(self, specialise: bool):
+        super().__init__()
+        self.fa, self.fb, self.specialise = nn.Linear(8, 4), nn.Linear(8, 4), specialise
+
+    def forward(self, a, b):
+        logits = self.fa(a) @ self.fb(b).t()
+        return logits / float(a.shape[0]) if self.specialise else logits
+
+
+def test_outputs_flattened_over_batch_and_sequence_merge_and_train_like_the_plain_model():
+    torch.manual_seed(0)
+    model = RoutedTokens().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 5, 8, dtype=torch.double)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=3)
+    out, want = pipe(x), reference(x)
+    assert [t.shape for t in out] == [t.shape for t in want]
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    flat_loss(out).backward()
+    flat_loss(want).backward()
+    assert max_relative(grads_of(model), grads_of(reference)) < 1e-12
+
+
+def test_an_output_that_does_not_carry_the_batch_is_refused_naming_it():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"output mean .* has shape \(2,\): dim 0 does not carry the batch"):
+        autopipe.compile(BatchStatistic(), devices=["cpu"] * 2, chunks=2, example_inputs=(x,))
+    assert autopipe.compile(BatchStatistic(), devices=["cpu"] * 2, chunks=1)(x)[1].shape == (2,)
+
+
+@pytest.mark.parametrize("specialise", [False, True])
+def test_batch_by_batch_logits_are_refused_not_returned_in_the_wrong_shape(specialise):
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    model = PairLogits(specialise)
+    with pytest.raises(ValueError, match="no concatenation of the"):
+        autopipe.compile(model, devices=["cpu"] * 2, chunks=2)(a, b)  # exported at its micro-batch size: compile
+    assert autopipe.compile(model, devices=["cpu"] * 2, chunks=1)(a, b).shape == (4, 4)

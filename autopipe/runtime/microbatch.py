@@ -7,6 +7,8 @@ from typing import Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from autopipe.plan import TensorInfo
+
 
 class BatchMismatch(ValueError):
     """Tensor arguments that should share a batch dimension do not."""
@@ -36,20 +38,35 @@ def split(inputs: Sequence[torch.Tensor], names: Sequence[str], sizes: list[int]
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in sizes]
 
 
-def merge(parts: Sequence[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """Concatenated; a 0-dim float (a loss computed inside the model): the micro-batch-size-weighted mean."""
-    if parts[0].dim() > 0:
-        return parts[0] if len(parts) == 1 else torch.cat(list(parts))
-    return sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes)) if parts[0].is_floating_point() else parts[0]
+def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | None = None,
+          name: str = "output") -> torch.Tensor:
+    """Concatenated, each part holding the same number of rows a sample (a (batch * seq, ...) tensor flattened
+    batch-major; ``traced``: as the trace saw it, its other dims too); a 0-dim float (a loss computed inside the
+    model): the micro-batch-size-weighted mean. Parts no concatenation turns into the plain model's value (a
+    statistic over the batch, CLIP's batch x batch logits) are refused."""
+    if parts[0].dim() == 0:
+        return sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes)) if parts[0].is_floating_point() else parts[0]
+    if len(parts) == 1:
+        return parts[0]
+    rows, k = [p.shape[0] for p in parts], parts[0].shape[0] // sizes[0]
+    if traced is not None:
+        k = traced.rows_per_sample
+    if k == 0 or rows != [k * s for s in sizes] or (traced is not None and parts[0].shape[1:] != traced.shape[1:]):
+        shapes = [tuple(p.shape) for p in parts]
+        raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
+                         + (f" (traced at a batch of {traced.shape[0] // max(k, 1)}: {traced.shape})" if traced else "")
+                         + ": it does not carry the batch in dim 0 alone, so no concatenation of the parts is the plain "
+                         "model's value; return it per sample, compute it outside the model, or run with chunks=1")
+    return torch.cat(list(parts))
 
 
-def split_grad(grad: torch.Tensor | None, like: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
-    """The gradient of :func:`merge`'s output, back on each micro-batch."""
+def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int]) -> list[torch.Tensor | None]:
+    """The gradient of :func:`merge`'s output, back on each of its ``parts``."""
     if grad is None:
         return [None] * len(sizes)
-    if like.dim() == 0:
+    if parts[0].dim() == 0:
         return [grad * (s / sum(sizes)) for s in sizes]
-    return list(torch.split(grad, sizes))
+    return list(torch.split(grad, [p.shape[0] for p in parts]))
 
 
 def split_target(target, sizes: list[int]) -> list:

@@ -157,11 +157,15 @@ class _Run:
         self._execute(self.schedule, "F")
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        return [microbatch.merge([self.mailbox.value(i, name) for i in range(self.chunks)], self.sizes)
+        tensors = self.compiled.plan.tensors
+        return [microbatch.merge(self._parts(name), self.sizes, tensors.get(name), f"the model's output {name}")
                 for name in self.compiled.plan.graph_outputs]
 
+    def _parts(self, name: str) -> list[torch.Tensor]:
+        return [self.mailbox.value(i, name) for i in range(self.chunks)]
+
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        parts = [microbatch.split_grad(grad, self.mailbox.value(0, name), self.sizes)
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes)
                  for name, grad in zip(self.compiled.plan.graph_outputs, grad_outputs)]
         for i in range(self.chunks):
             self.mailbox.send_final_grads(i, [p[i] for p in parts])

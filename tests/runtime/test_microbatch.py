@@ -20,7 +20,7 @@ def test_split_and_merge_roundtrip_with_scalar_broadcast():
 def test_scalar_outputs_merge_as_weighted_mean_and_grads_split_back():
     parts = [torch.tensor(1.0), torch.tensor(4.0)]
     assert microbatch.merge(parts, [3, 1]).item() == pytest.approx(1.75)
-    grads = microbatch.split_grad(torch.tensor(1.0), parts[0], [3, 1])
+    grads = microbatch.split_grad(torch.tensor(1.0), parts, [3, 1])
     assert [g.item() for g in grads] == [0.75, 0.25]
 
 
@@ -32,3 +32,16 @@ def test_batch_mismatch_names_the_argument():
 def test_chunks_must_be_positive():
     with pytest.raises(ValueError, match="chunks"):
         microbatch.micro_batch_sizes(8, 0)
+
+
+def test_parts_with_rows_a_sample_merge_and_their_gradient_splits_by_rows():
+    parts = [torch.randn(3 * 5, 2), torch.randn(2 * 5, 2)]  # (micro-batch * seq, ...) flattened batch-major
+    merged = microbatch.merge(parts, [3, 2])
+    assert torch.equal(merged, torch.cat(parts))
+    assert [g.shape[0] for g in microbatch.split_grad(torch.ones_like(merged), parts, [3, 2])] == [15, 10]
+
+
+@pytest.mark.parametrize("parts", [[torch.randn(2), torch.randn(2)], [torch.randn(3), torch.randn(3)]])
+def test_parts_that_do_not_scale_with_the_micro_batch_are_refused(parts):
+    with pytest.raises(ValueError, match="does not carry the batch"):
+        microbatch.merge(parts, [3, 2])
