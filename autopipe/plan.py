@@ -24,6 +24,7 @@ class TensorInfo:
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
     batched: bool = True        # dim 0 is the batch (split into micro-batches)
     rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch (a (batch * seq, ...) tensor: seq); 0: not a multiple
+    scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum" or "unknown"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 
-from autopipe.compile import Options, _as_tuple, _positive_int, resolve_devices
+from autopipe.compile import Options, _as_tuple, _positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
 from autopipe.passes.trace import _register_dataclasses
@@ -311,6 +311,18 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
                        loss_fn, compile_kwargs)
 
 
+def _scalar_outputs(model, args, kwargs, devices, chunks) -> dict[int, Any]:
+    """Output leaf -> the plan's facts of each 0-dim output (a loss: a mean or a sum over samples), so that the
+    loop by hand merges as the pipeline does; {} where the model does not plan (the checks say why)."""
+    try:
+        program = next(iter(run_passes(model, args, kwargs, Options.make(devices, chunks=chunks),
+                                       generate=False).programs.values()))
+    except Exception:  # noqa: BLE001
+        return {}
+    infos = zip(program.traced.output_positions, map(program.plan.tensors.get, program.plan.graph_outputs))
+    return {position: info for position, info in infos if info is not None and info.kind == "tensor" and not info.shape}
+
+
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
     own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()),
                torch.get_default_dtype())
@@ -318,11 +330,15 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
     sizes = micro_batch_sizes(batch, chunks)
 
-    def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: concatenated, a 0-dim loss as the weighted mean
+    scalars = _scalar_outputs(model, args, kwargs, devices, chunks)
+
+    def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: concatenated, a 0-dim loss as its plan says
+        if len(outputs) == 1:
+            return outputs[0]
         flat = [pytree.tree_flatten(_register_dataclasses(o)) for o in outputs]
-        columns = zip(*(leaves for leaves, _ in flat))
-        return pytree.tree_unflatten([merge(c, sizes) if isinstance(c[0], torch.Tensor) else c[0] for c in columns],
-                                     flat[0][1])
+        columns = enumerate(zip(*(leaves for leaves, _ in flat)))
+        return pytree.tree_unflatten([merge(c, sizes, scalars.get(i)) if isinstance(c[0], torch.Tensor) else c[0]
+                                      for i, c in columns], flat[0][1])
 
     @functools.cache
     def run(dtype, how: str, mode: bool | None = None, threads: int | None = None) -> _Step:

@@ -338,6 +338,12 @@ class _GraphFacts:
             self.alias[n], self.writes[n] = _effects(n, gm.get_submodule)
             self.base[n] = n if self.alias[n] is None else self.base[self.alias[n]]
 
+    def views_back(self, node: fx.Node):
+        """``node``, the tensor it is a view of, that one's, ... back to a tensor no view made."""
+        while node is not None:
+            yield node
+            node = self.alias[node]
+
     def check_writes(self, plan: Plan, sp: StagePlan, inputs: list[fx.Node], body: list[fx.Node]) -> list[fx.Node]:
         """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another
         stage (or the model's output) would have to see: each stage gets its own copy of what it receives."""
@@ -356,6 +362,8 @@ class _GraphFacts:
                     continue
                 for m in [m for m in self.base if self.base[m] is self.base[a]]:  # all that share a's storage
                     same = (m in body_set or m in input_set) and local_root(m) is root
+                    if m not in body_set and m not in input_set and any(v in own for v in self.views_back(m)):
+                        continue  # a later stage's view of what this stage sent once it had run, the write included
                     for u in m.users:
                         # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what
                         # this stage sends, which is the write's result only for a tensor made here

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopipe.plan import Plan, StagePlan, TensorInfo
-from autopipe.random_ops import is_random_target
+from autopipe.random_ops import is_random_target, op_name, signature_of
 from .cost import CostedGraph
 from .cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
 
@@ -70,6 +70,10 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance,
                        optimum, outputs)
     plan.notes.extend(notes)
+    plan.notes.extend(f"output {name}: a number from the whole micro-batch, neither a mean nor a sum over its samples "
+                      f"(a load-balancing loss, say): merged as the size-weighted mean of the micro-batches' values, "
+                      f"as gradient accumulation by hand does, not the plain model's value on the whole batch"
+                      for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
     return plan
 
 
@@ -135,6 +139,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
+    merges = _scalar_merges(gm, costed.traced.batch_size)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users
@@ -150,7 +155,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, costed.traced.batch_size)
+            tensors[n.name] = _info(n, s, later, n in output_args, costed.traced.batch_size, merges.get(n, "mean"))
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -177,7 +182,74 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)})
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int) -> TensorInfo:
+_LOSSES = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+                     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",
+                     "binary_cross_entropy_with_logits", "soft_margin_loss", "multilabel_soft_margin_loss",
+                     "poisson_nll_loss", "gaussian_nll_loss", "cosine_embedding_loss", "margin_ranking_loss"})
+_PASS_THROUGH = frozenset({"to", "type", "float", "double", "half", "bfloat16", "clone", "contiguous", "view",
+                           "reshape", "squeeze", "neg", "getitem", "_to_copy", "alias"})
+
+
+def _scalar_merges(gm: fx.GraphModule, batch: int) -> dict[fx.Node, str]:
+    """How each 0-dim float output of the model merges over micro-batches: "mean" (a mean over samples, or no
+    batch in it: the size-weighted mean), "sum" (a sum over samples, or one divided by a number the batch does
+    not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown"."""
+    from_batch: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if (n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() and
+                (isinstance(val.shape[0], torch.SymInt) or int(val.shape[0]) == batch)) or \
+                any(a in from_batch for a in n.all_input_nodes):
+            from_batch.add(n)
+
+    def batch_rows(n) -> bool:  # dim 0 holds the batch (k rows a sample)
+        val = n.meta.get("val") if isinstance(n, fx.Node) else None
+        return isinstance(val, torch.Tensor) and val.dim() > 0 and int(val.shape[0]) % batch == 0 and n in from_batch
+
+    def kind(n) -> str:
+        if not isinstance(n, fx.Node) or n not in from_batch:
+            return "mean"
+        name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
+        name = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub",
+                "mul_": "mul", "div_": "div"}.get(name, name)
+        first = n.args[0] if n.args else None
+        if name in ("mean", "sum") and batch_rows(first) and not n.meta["val"].dim():
+            return name
+        if name in _LOSSES and batch_rows(first):
+            sig = signature_of(n.target) if n.op == "call_function" else None
+            try:
+                bound = sig.bind(*n.args, **n.kwargs) if sig is not None else None
+            except TypeError:
+                bound = None
+            if bound is None:
+                return "unknown"
+            bound.apply_defaults()
+            reduction = bound.arguments.get("reduction", "mean")
+            return {1: "mean", 2: "sum", "mean": "mean", "batchmean": "mean", "sum": "sum"}.get(reduction, "unknown")
+        if name in _PASS_THROUGH:
+            return kind(first)
+        if name in ("div", "truediv", "mul") and len(n.args) == 2:
+            a, b = n.args
+            if name == "mul" and isinstance(a, fx.Node) and a not in from_batch:
+                a, b = b, a
+            if b not in from_batch:
+                return kind(a)
+            sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
+            if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and kind(a) == "sum":
+                return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
+        if name in ("add", "sub") and len(n.args) == 2:
+            kinds = {kind(a) for a in n.args if a in from_batch}
+            constant = any(a not in from_batch for a in n.args)
+            if kinds == {"mean"} or kinds == {"sum"} and not constant:
+                return kinds.pop()
+        return "unknown"
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return {n: kind(n) for n in output.all_input_nodes
+            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+
+
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind."""
     val = n.meta.get("val")
     kind, batched, shape, dtype, nbytes, rows = "other", False, (), torch.int64, 0, 1
@@ -190,4 +262,5 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int) -> 
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer,
-                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched, rows_per_sample=rows)
+                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched, rows_per_sample=rows,
+                      scalar_merge=scalar_merge)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -146,6 +146,11 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
     with preserved_global_state() as guard, buffers_kept(model):
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
+    if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
+        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer "
+                         f"skipped at random, say): tracing draws once and the graph would keep those numbers for "
+                         f"every step and micro-batch. Draw them with torch (torch.rand, torch.bernoulli), whose "
+                         f"random ops the pipeline replays, or trace the model in eval mode if it draws only in training")
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
     return traced
@@ -190,7 +195,17 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         traced.route, traced.static_batch = "export-static", static_batch
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
                             f"dimension): the model treats the batch size as a constant")
-    _propagate_fake_shapes(traced.graph_module, traced.flatten_inputs(arguments))
+    try:
+        _propagate_fake_shapes(traced.graph_module, traced.flatten_inputs(arguments))
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
+        frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
+        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
+                         f"{_first_line(e)}) has a shape that depends on the values of its input (boolean-mask "
+                         f"indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to "
+                         f"cost and cut the graph" + (f"; at {' '.join(f.strip() for f in frame)}" if frame else "")
+                         + ". Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or run it outside "
+                         "the model") from e
     return traced
 
 

@@ -368,3 +368,47 @@ def test_batch_by_batch_logits_are_refused_not_returned_in_the_wrong_shape(speci
     with pytest.raises(ValueError, match="no concatenation of the"):
         autopipe.compile(model, devices=["cpu"] * 2, chunks=2)(a, b)  # exported at its micro-batch size: compile
     assert autopipe.compile(model, devices=["cpu"] * 2, chunks=1)(a, b).shape == (4, 4)
+
+
+class OwnLoss(nn.Module):
+    """A model that returns its loss, reduced over the batch as ``how`` says."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.b = how, nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, y, n_items):
+        out = self.b(torch.relu(self.a(x)))
+        if self.how == "num_items":  # Hugging Face's loss under the Trainer: a sum over tokens / tokens in the batch
+            return F.mse_loss(out, y, reduction="sum") / n_items
+        if self.how == "sum":
+            return (out - y).pow(2).sum()
+        if self.how == "sum_over_rows":
+            return (out - y).pow(2).sum() / x.size(0)
+        if self.how == "mean_plus_penalty":
+            return F.mse_loss(out, y) + 1e-3 * self.a.weight.pow(2).sum()
+        return F.mse_loss(out, y).sqrt() * out.mean()  # no mean or sum over samples: micro-batch semantics
+
+
+@pytest.mark.parametrize("how", ["num_items", "sum", "sum_over_rows", "mean_plus_penalty"])
+def test_a_loss_the_model_reduces_over_the_batch_merges_to_the_plain_models(how):
+    torch.manual_seed(0)
+    model = OwnLoss(how).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 8, dtype=torch.double), torch.randn(6, 8, dtype=torch.double)
+    n_items = torch.tensor(float(y.numel()), dtype=torch.double)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=3)
+    loss, want = pipe(x, y, n_items), reference(x, y, n_items)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    loss.backward()
+    want.backward()
+    assert max_relative(grads_of(model), grads_of(reference)) < 1e-12
+    assert autopipe.verify(OwnLoss(how).double(), (x, y, n_items), devices=2, chunks=3).passed
+
+
+def test_a_loss_that_is_neither_a_mean_nor_a_sum_over_samples_says_how_it_merges():
+    x, y, n = torch.randn(6, 8), torch.randn(6, 8), torch.tensor(48.0)
+    pipe = autopipe.compile(OwnLoss("product"), devices=["cpu"] * 2, chunks=3, example_inputs=(x, y, n))
+    assert "neither a mean nor a sum over its samples" in str(pipe.plan)
+    assert "neither a mean" not in str(autopipe.compile(OwnLoss("num_items"), devices=["cpu"] * 2, chunks=3,
+                                                         example_inputs=(x, y, n)).plan)

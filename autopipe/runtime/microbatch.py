@@ -42,10 +42,14 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
           name: str = "output") -> torch.Tensor:
     """Concatenated, each part holding the same number of rows a sample (a (batch * seq, ...) tensor flattened
     batch-major; ``traced``: as the trace saw it, its other dims too); a 0-dim float (a loss computed inside the
-    model): the micro-batch-size-weighted mean. Parts no concatenation turns into the plain model's value (a
-    statistic over the batch, CLIP's batch x batch logits) are refused."""
+    model): the micro-batch-size-weighted mean, or the sum where ``traced`` says it sums over samples. Parts no
+    concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
+    refused."""
     if parts[0].dim() == 0:
-        return sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes)) if parts[0].is_floating_point() else parts[0]
+        if not parts[0].is_floating_point():
+            return parts[0]
+        return sum(parts) if traced is not None and traced.scalar_merge == "sum" else \
+            sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
     if len(parts) == 1:
         return parts[0]
     rows, k = [p.shape[0] for p in parts], parts[0].shape[0] // sizes[0]
@@ -60,11 +64,14 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
     return torch.cat(list(parts))
 
 
-def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int]) -> list[torch.Tensor | None]:
+def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int],
+               traced: TensorInfo | None = None) -> list[torch.Tensor | None]:
     """The gradient of :func:`merge`'s output, back on each of its ``parts``."""
     if grad is None:
         return [None] * len(sizes)
     if parts[0].dim() == 0:
+        if traced is not None and traced.scalar_merge == "sum":
+            return [grad] * len(sizes)
         return [grad * (s / sum(sizes)) for s in sizes]
     return list(torch.split(grad, [p.shape[0] for p in parts]))
 

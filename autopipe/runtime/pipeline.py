@@ -165,7 +165,7 @@ class _Run:
         return [self.mailbox.value(i, name) for i in range(self.chunks)]
 
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes)
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.compiled.plan.tensors.get(name))
                  for name, grad in zip(self.compiled.plan.graph_outputs, grad_outputs)]
         for i in range(self.chunks):
             self.mailbox.send_final_grads(i, [p[i] for p in parts])

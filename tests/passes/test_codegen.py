@@ -420,6 +420,30 @@ def test_write_seen_only_inside_its_stage_is_fine():
     torch.testing.assert_close(stage(x)[0], model(x))
 
 
+
+class ClampedThenViewed(nn.Module):
+    """OLMo's clip_qkv: ``v.clamp_()`` on a projection, then views of ``v`` read by later stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.v, self.body = nn.Linear(16, 16), nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+
+    def forward(self, x):
+        v = self.v(x)
+        v.clamp_(-0.1, 0.1)
+        v = v.view(x.shape[0], 4, 4).transpose(1, 2)
+        return self.body(x) + v[:, :, 0:4].reshape(x.shape[0], 16)
+
+
+def test_a_later_stage_reading_a_view_of_what_a_stage_wrote_and_sent_is_fine():
+    model, x = ClampedThenViewed().double(), torch.randn(4, 16, dtype=torch.double)
+    traced = trace(model, (x,), route="fx")
+    plan = partition(cost(traced), 4, balance=(1, 1, 1, 1))
+    assert any(n.startswith("transpose") and t.consumers for n, t in plan.tensors.items())  # the view crosses a cut
+    stages = codegen(traced.graph_module, plan)
+    got, _ = run(stages, plan, traced.flat_inputs((x,), {}))
+    torch.testing.assert_close(got[0], model(x), rtol=1e-12, atol=1e-12)
+
 # -- devices ---------------------------------------------------------------------------
 
 def _gpt2():

@@ -3,6 +3,7 @@ a timestep to the batch) fail fx and the dynamic-batch export with ``BatchSpecia
 a static micro-batch size with ``static_batch``; and tracing leaves torch's global state as it was."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -270,3 +271,43 @@ def test_fx_route_refuses_what_its_graph_would_lose_and_export_keeps_it(model, l
         import autopipe
         pipe = autopipe.compile(model, devices=1, chunks=2, example_inputs=(x,))
         assert not torch.equal(pipe(x), pipe(x))
+
+
+class NumpyMask(nn.Module):
+    """A SpecAugment-like mask from NumPy's generator (wav2vec2's _compute_mask_indices), drawn in training only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training:
+            x = x * torch.tensor(np.random.rand(x.shape[1]) < 0.5, dtype=x.dtype)
+        return self.a(x)
+
+
+def test_randomness_from_numpy_is_refused_not_frozen_into_the_graph():
+    state = np.random.get_state()
+    with pytest.raises(TraceError, match="draws from NumPy random"):
+        trace(NumpyMask().train(), (torch.randn(4, 8),))
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(state, np.random.get_state()))  # and the caller's generator is where it was
+    assert trace(NumpyMask().eval(), (torch.randn(4, 8),)).route == "fx"
+
+
+class MaskedTokens(nn.Module):
+    """ELECTRA's pretraining head in small: the loss over the tokens a mask keeps (logits[mask == 1])."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x, mask):
+        return self.b(torch.relu(self.a(x))).squeeze(-1)[mask == 1].pow(2).mean()
+
+
+def test_a_shape_that_depends_on_values_is_a_clear_trace_error():
+    x, mask = torch.randn(4, 6, 8), torch.ones(4, 6, dtype=torch.long)
+    mask[1::2, 4:] = 0
+    with pytest.raises(TraceError, match=r"depends on the values of its input \(boolean-mask indexing"):
+        trace(MaskedTokens(), (x, mask))
