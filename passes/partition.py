@@ -215,6 +215,9 @@ def _scalar_merges(gm: fx.GraphModule, batch: int) -> dict[fx.Node, str]:
         first = n.args[0] if n.args else None
         if name in ("mean", "sum") and batch_rows(first) and not n.meta["val"].dim():
             return name
+        if n.op == "call_module" and isinstance(loss := gm.get_submodule(n.target), torch.nn.modules.loss._Loss):
+            return {"mean": "mean", "batchmean": "mean", "sum": "sum"}.get(loss.reduction, "unknown") \
+                if batch_rows(first) else "unknown"
         if name in _LOSSES and batch_rows(first):
             sig = signature_of(n.target) if n.op == "call_function" else None
             try:

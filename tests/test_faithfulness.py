@@ -376,6 +376,7 @@ class OwnLoss(nn.Module):
     def __init__(self, how: str):
         super().__init__()
         self.how, self.a, self.b = how, nn.Linear(8, 16), nn.Linear(16, 8)
+        self.criterion = nn.MSELoss(reduction="sum")
 
     def forward(self, x, y, n_items):
         out = self.b(torch.relu(self.a(x)))
@@ -385,12 +386,14 @@ class OwnLoss(nn.Module):
             return (out - y).pow(2).sum()
         if self.how == "sum_over_rows":
             return (out - y).pow(2).sum() / x.size(0)
+        if self.how == "loss_module":  # fx keeps torch.nn's loss modules whole
+            return self.criterion(out, y)
         if self.how == "mean_plus_penalty":
             return F.mse_loss(out, y) + 1e-3 * self.a.weight.pow(2).sum()
         return F.mse_loss(out, y).sqrt() * out.mean()  # no mean or sum over samples: micro-batch semantics
 
 
-@pytest.mark.parametrize("how", ["num_items", "sum", "sum_over_rows", "mean_plus_penalty"])
+@pytest.mark.parametrize("how", ["num_items", "sum", "sum_over_rows", "loss_module", "mean_plus_penalty"])
 def test_a_loss_the_model_reduces_over_the_batch_merges_to_the_plain_models(how):
     torch.manual_seed(0)
     model = OwnLoss(how).double()
