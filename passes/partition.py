@@ -3,7 +3,7 @@ getitems kept with their producers, tied weights: docs/architecture.md, "Contrac
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -70,9 +70,12 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance,
                        optimum, outputs)
     plan.notes.extend(notes)
-    plan.notes.extend(f"output {name}: a number from the whole micro-batch, neither a mean nor a sum over its samples "
-                      f"(a load-balancing loss, say): merged as the size-weighted mean of the micro-batches' values, "
-                      f"as gradient accumulation by hand does, not the plain model's value on the whole batch"
+    plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
+                      f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
+                      f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
+                      f"hand does, which is the plain model's value only where every micro-batch weighs the same "
+                      f"(no ignored targets); a loss summed and divided by the whole batch's count (Hugging Face's "
+                      f"num_items_in_batch) merges exactly"
                       for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
     return plan
 
@@ -139,7 +142,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
-    merges = _scalar_merges(gm, costed.traced.batch_size)
+    merges = _scalar_merges(gm, costed.traced.batch_size, costed.traced.static_batch is not None)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users
@@ -182,74 +185,94 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)})
 
 
-_LOSSES = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
-                     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",
+_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",
                      "binary_cross_entropy_with_logits", "soft_margin_loss", "multilabel_soft_margin_loss",
                      "poisson_nll_loss", "gaussian_nll_loss", "cosine_embedding_loss", "margin_ranking_loss"})
+# their mean is over the targets not ignored (ignore_index) or weighed by class weights: no merge of micro-batch means
+_TARGET_MEANS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+                           "nll_loss_nd", "CrossEntropyLoss", "NLLLoss"})
 _PASS_THROUGH = frozenset({"to", "type", "float", "double", "half", "bfloat16", "clone", "contiguous", "view",
                            "reshape", "squeeze", "neg", "getitem", "_to_copy", "alias"})
+_IN_PLACE = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub",
+             "mul_": "mul", "div_": "div"}
 
 
-def _scalar_merges(gm: fx.GraphModule, batch: int) -> dict[fx.Node, str]:
+def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node, str]:
     """How each 0-dim float output of the model merges over micro-batches: "mean" (a mean over samples, or no
     batch in it: the size-weighted mean), "sum" (a sum over samples, or one divided by a number the batch does
-    not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown"."""
+    not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown". ``static``: a graph exported at
+    one micro-batch size, where a number may be that size."""
     from_batch: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if (n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() and
-                (isinstance(val.shape[0], torch.SymInt) or int(val.shape[0]) == batch)) or \
-                any(a in from_batch for a in n.all_input_nodes):
+        if batch_rows(n, batch) and n.op == "placeholder" or any(a in from_batch for a in n.all_input_nodes):
             from_batch.add(n)
 
-    def batch_rows(n) -> bool:  # dim 0 holds the batch (k rows a sample)
-        val = n.meta.get("val") if isinstance(n, fx.Node) else None
-        return isinstance(val, torch.Tensor) and val.dim() > 0 and int(val.shape[0]) % batch == 0 and n in from_batch
+    def reduction(n: fx.Node, default: str) -> str:
+        if n.op == "call_module":
+            return gm.get_submodule(n.target).reduction
+        try:
+            bound = signature_of(n.target).bind(*n.args, **n.kwargs)
+        except (TypeError, AttributeError):
+            return "unknown"
+        bound.apply_defaults()
+        if bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None:
+            return "unknown"  # the deprecated way to say the reduction
+        return {0: "none", 1: "mean", 2: "sum"}.get(bound.arguments.get("reduction", default), bound.arguments.get("reduction", default))
 
-    def kind(n) -> str:
+    def kind(n, reader: fx.Node | None = None) -> str:
         if not isinstance(n, fx.Node) or n not in from_batch:
             return "mean"
-        name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
-        name = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub",
-                "mul_": "mul", "div_": "div"}.get(name, name)
+        if any(u is not reader and u.args[:1] == (n,) and _is_inplace(u) for u in n.users):
+            return "unknown"  # written in place after it was read here
+        if n.op == "call_module":
+            name = type(gm.get_submodule(n.target)).__name__
+            name = {"MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
+                    "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
+                    "KLDivLoss": "kl_div"}.get(name, name)
+        else:
+            name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
+        name = _IN_PLACE.get(name, name)
         first = n.args[0] if n.args else None
-        if name in ("mean", "sum") and batch_rows(first) and not n.meta["val"].dim():
+        if name in ("mean", "sum") and batch_rows(first, batch) and not n.meta["val"].dim():
             return name
-        if n.op == "call_module" and isinstance(loss := gm.get_submodule(n.target), torch.nn.modules.loss._Loss):
-            return {"mean": "mean", "batchmean": "mean", "sum": "sum"}.get(loss.reduction, "unknown") \
-                if batch_rows(first) else "unknown"
-        if name in _LOSSES and batch_rows(first):
-            sig = signature_of(n.target) if n.op == "call_function" else None
-            try:
-                bound = sig.bind(*n.args, **n.kwargs) if sig is not None else None
-            except TypeError:
-                bound = None
-            if bound is None:
-                return "unknown"
-            bound.apply_defaults()
-            reduction = bound.arguments.get("reduction", "mean")
-            return {1: "mean", 2: "sum", "mean": "mean", "batchmean": "mean", "sum": "sum"}.get(reduction, "unknown")
+        if (name in _LOSSES or name in _TARGET_MEANS) and batch_rows(first, batch):
+            how = reduction(n, "mean")
+            return "sum" if how == "sum" else "mean" if how in ("mean", "batchmean") and name in _LOSSES else "unknown"
         if name in _PASS_THROUGH:
-            return kind(first)
+            return kind(first, n)
         if name in ("div", "truediv", "mul") and len(n.args) == 2:
             a, b = n.args
-            if name == "mul" and isinstance(a, fx.Node) and a not in from_batch:
+            if name == "mul" and a not in from_batch:
                 a, b = b, a
             if b not in from_batch:
-                return kind(a)
+                return "unknown" if static and not isinstance(b, fx.Node) else kind(a, n)  # the literal may be the batch
             sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
-            if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and kind(a) == "sum":
+            if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and batch_rows(b.args[0], batch) and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
         if name in ("add", "sub") and len(n.args) == 2:
-            kinds = {kind(a) for a in n.args if a in from_batch}
+            kinds = {kind(a, n) for a in n.args if a in from_batch}
             constant = any(a not in from_batch for a in n.args)
             if kinds == {"mean"} or kinds == {"sum"} and not constant:
                 return kinds.pop()
         return "unknown"
 
+    def last_write(n: fx.Node) -> fx.Node:  # loss.div_(n) without "loss =": the output node is the one before
+        while writes := [u for u in n.users if u.args[:1] == (n,) and _is_inplace(u)]:
+            n = writes[-1]
+        return n
+
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    return {n: kind(n) for n in output.all_input_nodes
+    return {n: kind(last_write(n)) for n in output.all_input_nodes
             if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+
+
+def batch_rows(n: Any, batch: int) -> bool:
+    """``n``'s dim 0 is the batch: the dynamic batch symbol (export), or the traced batch size."""
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not val.dim():
+        return False
+    rows = val.shape[0]
+    return bool(rows.node.expr.free_symbols) if isinstance(rows, torch.SymInt) else int(rows) == batch
 
 
 def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str) -> TensorInfo:

@@ -412,6 +412,48 @@ def test_a_loss_the_model_reduces_over_the_batch_merges_to_the_plain_models(how)
 def test_a_loss_that_is_neither_a_mean_nor_a_sum_over_samples_says_how_it_merges():
     x, y, n = torch.randn(6, 8), torch.randn(6, 8), torch.tensor(48.0)
     pipe = autopipe.compile(OwnLoss("product"), devices=["cpu"] * 2, chunks=3, example_inputs=(x, y, n))
-    assert "neither a mean nor a sum over its samples" in str(pipe.plan)
-    assert "neither a mean" not in str(autopipe.compile(OwnLoss("num_items"), devices=["cpu"] * 2, chunks=3,
-                                                         example_inputs=(x, y, n)).plan)
+    assert "cannot read as a mean or a sum over its samples" in str(pipe.plan)
+    assert "cannot read" not in str(autopipe.compile(OwnLoss("num_items"), devices=["cpu"] * 2, chunks=3,
+                                                      example_inputs=(x, y, n)).plan)
+
+
+def _per_token(h, y):
+    return F.cross_entropy(h.flatten(0, 1), y.flatten())  # a mean over the targets it does not ignore
+
+
+class LossOf(nn.Module):
+    def __init__(self, loss, features: int = 7):
+        super().__init__()
+        self.lin, self.loss = nn.Linear(4, features), loss
+
+    def forward(self, x, y):
+        return self.loss(self.lin(x), y)
+
+
+def _div_in_place(h, y):
+    loss = h.pow(2).sum()
+    loss.div_(h.size(0))  # no "loss =": the graph's output is the sum, written afterwards
+    return loss
+
+
+@pytest.mark.parametrize("loss, features", [
+    (lambda h, y: h.pow(2).sum() / len(h), 7),  # len(): exported at the micro-batch size, whose 2 is a literal
+    (_div_in_place, 7),
+    (lambda h, y: h.mean(0).sum(), 12),  # 12 features, a multiple of the batch: not rows of samples
+    (lambda h, y: h.sum(0).mean(), 12),
+    (lambda h, y: h.pow(2).sum() / h.t().size(0), 7),  # divided by the features, not the batch: a sum
+    (lambda h, y: F.cross_entropy(h, y), 7),  # a micro-batch of ignored targets only: its mean is nan
+])
+def test_reductions_autopipe_must_not_misread(loss, features):
+    """Each was read as a mean or a sum over samples, wrongly (a reviewer's sweep), and merged silently wrong: now
+    it merges exactly or the plan says it cannot."""
+    torch.manual_seed(0)
+    model = LossOf(loss, features).double()
+    x, y = torch.randn(6, 4, dtype=torch.double), torch.tensor([-100, -100, 1, 2, 3, 4])
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=3)
+    got, want = pipe(x, y), model(x, y)
+    merge = [t.scalar_merge for t in pipe.plan.tensors.values() if t.is_output and not t.shape]
+    if merge != ["unknown"]:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    else:
+        assert "cannot read as a mean or a sum" in str(pipe.plan)

@@ -177,12 +177,18 @@ def test_failing_stage_ends_the_step_with_the_original_exception(where, checkpoi
 
 
 def test_ctrl_c_during_a_step_stops_it_and_the_pipeline_still_works():
+    interrupt_at = [None]  # the forward call that presses Ctrl-C: one in the middle of the step, whatever the load
+
     class Slow(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
+            if interrupt_at[0] is not None:
+                interrupt_at[0] -= 1
+                if interrupt_at[0] == 0:
+                    _thread.interrupt_main()
             time.sleep(0.05)
             return self.fc(x)
 
@@ -198,11 +204,10 @@ def test_ctrl_c_during_a_step_stops_it_and_the_pipeline_still_works():
     pipe = autopipe.compile(model, devices=2, chunks=8, leaf_modules=[Slow])
     x = torch.randn(16, 8)
     pipe(x)
-    timer = threading.Timer(0.1, _thread.interrupt_main)
-    timer.start()
+    interrupt_at[0] = 4  # of the 16 forward calls of the step's 8 micro-batches on 2 stages
     with pytest.raises(KeyboardInterrupt):
         pipe(x).sum().backward()
-    timer.join()
+    interrupt_at[0] = None
     assert all(w.alive and w._tasks.empty() for w in pipe.workers)  # its two workers, idle
     torch.testing.assert_close(pipe(x), model(x))
 
