@@ -191,6 +191,9 @@ _LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "bin
 # their mean is over the targets not ignored (ignore_index) or weighed by class weights: no merge of micro-batch means
 _TARGET_MEANS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
                            "nll_loss_nd", "CrossEntropyLoss", "NLLLoss"})
+_LOSS_MODULES = {"MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
+                 "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
+                 "KLDivLoss": "kl_div"}  # torch.nn's loss modules, which fx keeps whole, by their functions' names
 _PASS_THROUGH = frozenset({"to", "type", "float", "double", "half", "bfloat16", "clone", "contiguous", "view",
                            "reshape", "squeeze", "neg", "getitem", "_to_copy", "alias"})
 _IN_PLACE = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub",
@@ -217,7 +220,8 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
         bound.apply_defaults()
         if bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None:
             return "unknown"  # the deprecated way to say the reduction
-        return {0: "none", 1: "mean", 2: "sum"}.get(bound.arguments.get("reduction", default), bound.arguments.get("reduction", default))
+        how = bound.arguments.get("reduction", default)
+        return {0: "none", 1: "mean", 2: "sum"}.get(how, how)  # aten's enum, or F's string
 
     def kind(n, reader: fx.Node | None = None) -> str:
         if not isinstance(n, fx.Node) or n not in from_batch:
@@ -226,9 +230,7 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
             return "unknown"  # written in place after it was read here
         if n.op == "call_module":
             name = type(gm.get_submodule(n.target)).__name__
-            name = {"MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
-                    "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
-                    "KLDivLoss": "kl_div"}.get(name, name)
+            name = _LOSS_MODULES.get(name, name)
         else:
             name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
         name = _IN_PLACE.get(name, name)

@@ -52,9 +52,8 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
             sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
     if len(parts) == 1:
         return parts[0]
-    rows, k = [p.shape[0] for p in parts], parts[0].shape[0] // sizes[0]
-    if traced is not None:
-        k = traced.rows_per_sample
+    rows = [p.shape[0] for p in parts]
+    k = traced.rows_per_sample if traced is not None else rows[0] // sizes[0]
     if k == 0 or rows != [k * s for s in sizes] or (traced is not None and parts[0].shape[1:] != traced.shape[1:]):
         shapes = [tuple(p.shape) for p in parts]
         raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
