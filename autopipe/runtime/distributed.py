@@ -215,7 +215,7 @@ class DistributedPipeline(torch.nn.Module):
         if state.deferred is not None:
             state.deferred.commit()
         for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
-            accumulate_grads(runner.params, runner.param_grads)
+            accumulate_grads(runner.take_grads())
         self._reduce_gradients()
         return loss.total if loss is not None else None
 

@@ -45,13 +45,11 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
     model): the micro-batch-size-weighted mean, or the sum where ``traced`` says it sums over samples. Parts no
     concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
     refused."""
+    if len(parts) == 1 or (parts[0].dim() == 0 and not parts[0].is_floating_point()):
+        return parts[0]
     if parts[0].dim() == 0:
-        if not parts[0].is_floating_point():
-            return parts[0]
         return sum(parts) if traced is not None and traced.scalar_merge == "sum" else \
             sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
-    if len(parts) == 1:
-        return parts[0]
     rows = [p.shape[0] for p in parts]
     k = traced.rows_per_sample if traced is not None else rows[0] // sizes[0]
     if k == 0 or rows != [k * s for s in sizes] or (traced is not None and parts[0].shape[1:] != traced.shape[1:]):
@@ -66,8 +64,8 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
 def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int],
                traced: TensorInfo | None = None) -> list[torch.Tensor | None]:
     """The gradient of :func:`merge`'s output, back on each of its ``parts``."""
-    if grad is None:
-        return [None] * len(sizes)
+    if grad is None or len(parts) == 1:
+        return [grad] * len(sizes)
     if parts[0].dim() == 0:
         if traced is not None and traced.scalar_merge == "sum":
             return [grad] * len(sizes)

@@ -32,9 +32,11 @@ class Program:
     plan: Any                   # autopipe.plan.Plan
     stages: list                # passes.codegen.Stage
     runners: list[StageRunner] = field(init=False)
+    readers: dict[str, int] = field(init=False)  # how many gradients a value gets: its consumer stages, the output
 
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
+        self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
 
 
 @dataclass
@@ -119,7 +121,7 @@ class _Run:
         self.input_grad = [training and t.requires_grad for t in flat]
         rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
-        self.runners_all = list({id(r): r for p in self.programs for r in p.runners}.values())
+        self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
             r.start_step()
         pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
@@ -192,7 +194,7 @@ class _Run:
         self._cuda_peaks()
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        accumulate_grads(self.params, self._param_grads())
+        accumulate_grads(list(zip(self.params, self._param_grads())))
         return loss.total
 
     def _input_grads(self) -> list[torch.Tensor | None]:
@@ -212,14 +214,16 @@ class _Run:
 
     def _param_grads(self) -> list[torch.Tensor | None]:
         """Per parameter: the stages' sums added in stage order (tied weights: one sum)."""
+        runners = self.runners_all
+        if len(runners) == 1 and not runners[0].replicas and len(runners[0].trainable) == len(self.params) and \
+                all(a is b for a, b in zip(runners[0].trainable, self.params)):  # one stage: its gradients as they are
+            grads, runners[0].param_grads = runners[0].param_grads, []
+            return grads or [None] * len(self.params)
         totals: dict[int, torch.Tensor] = {}
-        for runner in sorted(self.runners_all, key=lambda r: r.index):
-            for p, g in zip(runner.params, runner.param_grads):
-                if g is not None:
-                    g = g if g.device == p.device else g.to(p.device)
-                    totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
-            # no reference left here: the engine's AccumulateGrad takes each gradient as .grad without a copy
-            runner.param_grads = [None] * len(runner.params)
+        for runner in runners:
+            for p, g in runner.take_grads():
+                g = g.to(p.device) if runner.replicas and g.device != p.device else g
+                totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
         return [totals.get(id(p)) for p in self.params]
 
 

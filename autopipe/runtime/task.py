@@ -51,10 +51,10 @@ class _Deliver(torch.autograd.Function):
         return (None, *ctx.grads)
 
 
-def accumulate_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
-    """``pipe.step``: a step's gradients added into ``.grad``, as ``loss.backward()`` would (through the engine
-    where a parameter has hooks)."""
-    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad``, as ``loss.backward()`` would
+    (through the engine where a parameter has hooks)."""
+    pairs = [(p, g) for p, g in pairs if g is not None]
     if any(p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in pairs):
         with torch.enable_grad():
             _Deliver.apply([g for _, g in pairs], *[p for p, _ in pairs]).backward()
@@ -201,12 +201,14 @@ class StageRunner:
                     self._replica_slots.append((table, name, t, self.replicas[id(t)]))
                 elif isinstance(t, torch.nn.Parameter):
                     self._slots_of.setdefault(id(t), []).append((table, name))
-        self._wrt = self.wrt_params = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
+        self._wrt = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
         self._alias_slots: list = []
-        self.param_ids = {p.untyped_storage().data_ptr() for p in self.wrt_params}
+        self.param_ids = {p.untyped_storage().data_ptr() for p in self._wrt}
         self.saved: dict[int, _Saved] = {}
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
-        self.param_grads: list[torch.Tensor | None] = []
+        self.trainable: list[torch.nn.Parameter] = []  # this step's params with requires_grad, and their stand-ins:
+        self.wrt_params: list[torch.Tensor] = []
+        self.param_grads: list[torch.Tensor | None] = []  # their gradients, once a backward ran
         self._owned: list[bool] = []  # param_grads[k] is a sum this runner made, safe to add to in place
 
     @property
@@ -223,10 +225,12 @@ class StageRunner:
         hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of}
         self._alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
                              for table, name in self._slots_of[id(p)]]
-        self.wrt_params = [hooked.get(id(p), w) for p, w in zip(self.params, self._wrt)] if hooked else self._wrt
+        wrt = [hooked.get(id(p), w) for p, w in zip(self.params, self._wrt)] if hooked else self._wrt
+        trainable = [k for k, p in enumerate(self.params) if p.requires_grad]
+        self.trainable = [self.params[k] for k in trainable]
+        self.wrt_params = wrt if len(trainable) == len(wrt) else [wrt[k] for k in trainable]
         self.saved.clear()
-        self.param_grads = [None] * len(self.params)
-        self._owned = [False] * len(self.params)
+        self.param_grads = []
 
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
@@ -238,9 +242,10 @@ class StageRunner:
         copies = [b.clone() for b in self.state] if private else []
         with step.timeline.span(self.index, i, "forward", self.stage.device), self._own_state(copies):
             outputs = self._run(step, i, inputs, first=True)
-        with torch.no_grad():
-            for buffer, copy in zip(self.state, copies):
-                buffer.copy_(copy)
+        if copies:
+            with torch.no_grad():
+                for buffer, copy in zip(self.state, copies):
+                    buffer.copy_(copy)
         if step.training:
             self.saved[i] = _Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
@@ -281,8 +286,8 @@ class StageRunner:
     def _own_state(self, copies: list):
         """The written buffers swapped for ``copies`` while a task runs: its graph saves its own copy, which no
         later micro-batch writes, and a recompute runs on a copy of the value its forward started from."""
-        return _swapped([(table, name, self.state[k], copies[k]) for table, name, k in self._state_slots] if copies
-                        else [])
+        return _swapped([(table, name, self.state[k], copies[k]) for table, name, k in self._state_slots]) if copies \
+            else contextlib.nullcontext()
 
     def _run(self, step: StepState, i: int, inputs: list, first: bool) -> list:
         stage, a = self.stage, step.ambient
@@ -333,24 +338,32 @@ class StageRunner:
                 grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams,
                                                                      step.ambient.streams))
         wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-        wrt_params = [k for k, p in enumerate(self.params) if p.requires_grad]
         input_grads: list = [None] * len(saved.inputs)
-        if not roots or not (wrt_inputs or wrt_params):
+        if not roots or not (wrt_inputs or self.wrt_params):
             return input_grads
-        wrt = [saved.inputs[k] for k in wrt_inputs] + [self.wrt_params[k] for k in wrt_params]
         with step.timeline.span(self.index, i, "backward", self.stage.device), contextlib.ExitStack() as stack:
             step.ambient.enter(stack, self.stage.device)
-            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+            got = torch.autograd.grad(roots, [saved.inputs[k] for k in wrt_inputs] + self.wrt_params, grads,
+                                      allow_unused=True)
         for k, g in zip(wrt_inputs, got):
             input_grads[k] = g
-        for k, g in zip(wrt_params, got[len(wrt_inputs):]):
-            if g is None:
-                continue
+        self._add_param_grads(got[len(wrt_inputs):])
+        return input_grads
+
+    def _add_param_grads(self, grads: tuple) -> None:
+        if not self.param_grads:  # the step's first backward: its gradients as they are
+            self.param_grads, self._owned = list(grads), [False] * len(grads)
+            return
+        for k, g in enumerate(grads):
             previous = self.param_grads[k]
-            if previous is None:
-                self.param_grads[k] = g
+            if g is None or previous is None:
+                self.param_grads[k] = previous if g is None else g
             elif self._owned[k]:
                 previous.add_(g)
             else:
                 self.param_grads[k], self._owned[k] = previous + g, True
-        return input_grads
+
+    def take_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The step's (parameter, gradient) pairs, forgotten here: AccumulateGrad then takes each without a copy."""
+        grads, self.param_grads = self.param_grads, []
+        return [(p, g) for p, g in zip(self.trainable, grads) if g is not None]

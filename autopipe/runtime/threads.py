@@ -137,12 +137,10 @@ class Mailbox(Transport):
 
     def contribute(self, i: int, name: str, who: int, grad: torch.Tensor | None) -> None:
         """One reader's gradient for a value; summed in a fixed order once every reader answered."""
-        info = self.programs[i].plan.tensors.get(name)
-        readers = set(info.consumers) | ({OUTPUT} if info.is_output else set()) if info else {who}
         with self.lock:
             parts = self.grad_parts.setdefault((i, name), {})
             parts[who] = grad
-            if len(parts) < len(readers):
+            if len(parts) < self.programs[i].readers.get(name, 1):
                 return
             del self.grad_parts[(i, name)]
         total = None

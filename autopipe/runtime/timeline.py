@@ -7,7 +7,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -16,8 +16,7 @@ from .schedule import Schedule
 _MARK = {"forward": "F", "recompute": "R", "backward": "B"}
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     stage: int
     micro_batch: int
     kind: str          # "forward", "recompute" or "backward"
