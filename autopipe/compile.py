@@ -53,8 +53,7 @@ class Options:
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, "
-                             f"got {self.balance!r}")
+            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {self.balance!r}")
         if not _positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
@@ -96,8 +95,7 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             if device.index >= cuda_count:
-                raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) "
-                                 f"(cuda:0..cuda:{cuda_count - 1})")
+                raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) (cuda:0..cuda:{cuda_count - 1})")
         elif device.type != "cpu":
             raise ValueError(f"devices: {d!r}: autopipe runs stages on 'cpu' or 'cuda' devices")
         resolved.append(device)
@@ -114,10 +112,9 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None) -> Compiled:
-    """trace -> cost -> partition (-> codegen with ``generate``), leaving the caller's global state (grad mode,
-    RNG, autocast, defaults) as it was. ``before_codegen(plan)``: compile places parameters on their stages' devices
-    there, the torchrun runtime materialises its meta weights. A model that specialises on the batch size is
-    traced once per micro-batch size."""
+    """trace -> cost -> partition (-> codegen with ``generate``) under ``preserved_global_state``; a model that specialises on the
+    batch size is traced once per micro-batch size. ``before_codegen(plan)``: where compile places parameters on their stages'
+    devices and the torchrun runtime materialises its meta weights."""
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)
 
@@ -130,8 +127,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap)
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
-            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
-                                         options.virtual_stages, options.optimizer)
+            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks, options.virtual_stages, options.optimizer)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
         if not generate:
             return Program(traced=traced, plan=plan, stages=[])
@@ -145,8 +141,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
     with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
-        progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as "
-                     f"{len(options.devices)} stages x {options.chunks} micro-batches")
+        progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} stages x {options.chunks} micro-batches")
         try:
             programs = {None: program()}
         except BatchSpecialised as e:
@@ -160,26 +155,21 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
-    """A program exported at its micro-batch size shows its outputs at that size alone; the model run on fake
-    tensors shows them at the whole batch. An output whose other dims grew with the batch (CLIP's batch x batch
-    logits) has no concatenation of micro-batch parts equal to it: refused here, before anything runs."""
+    """An output of a program exported at its micro-batch size whose other dims grow with the batch (CLIP's batch x batch logits, seen by
+    running the model on fake tensors at the whole batch) has no concatenation of micro-batch parts equal to it: refused before anything runs."""
     whole = output_shapes(model, args, kwargs)
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):
             info, (path, shape) = plan.tensors.get(name), whole[position]
-            if info is not None and info.shape and shape is not None and \
-                    (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
-                raise ValueError(
-                    f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a "
-                    f"micro-batch of {traced.batch_size}: it mixes the rows of the batch, so no concatenation of the "
-                    f"micro-batches' parts is the plain model's value; return it per sample, compute it outside "
-                    f"the model, or run with chunks=1")
+            if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
+                raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a micro-batch of "
+                                 f"{traced.batch_size}: it mixes the rows of the batch, so no concatenation of the micro-batches' parts is the plain "
+                                 f"model's value; return it per sample, compute it outside the model, or run with chunks=1")
 
 
 def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):
-    """The example inputs where the model's weights are: stage 0 moves a DataLoader's CPU batch to its device
-    (as torchgpipe moves the input to its first device), so the passes see the batch there."""
+    """The example inputs on the model's device, where stage 0 moves a DataLoader's CPU batch: the passes see the batch there."""
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) != 1 or (device := devices.pop()).type == "meta":
         return args, kwargs
@@ -189,8 +179,7 @@ def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
 
 def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):
     with progress.run("trace") as report:
-        traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route,
-                       static_batch=static_batch)
+        traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route, static_batch=static_batch)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
     if options.balance == "time":
@@ -212,8 +201,7 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
     """``chunks``/``schedule``/``checkpoint="auto"``: trace and cost once, partition once per stage
     count, and keep the fastest predicted configuration whose memory fits ``memory_cap``."""
     if options.memory_cap is None:
-        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits "
-                         f"the memory: give memory_cap (bytes per device)")
+        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits the memory: give memory_cap (bytes per device)")
     progress = Progress(options.verbose)
     with preserved_global_state(), torch.inference_mode(False):
         traced, costed = _trace_and_cost(model, args, kwargs, options, None, progress)
@@ -229,8 +217,7 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
                 schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
                 checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,),
                 chunks=None if "chunks" in auto else options.chunks, optimizer=options.optimizer)
-            report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} "
-                                f"of {len(choice.candidates)} configurations")
+            report["detail"] = f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of {len(choice.candidates)} configurations"
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
     result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
     return result
@@ -280,23 +267,17 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
     if devices is None and running_under_torchrun():
         # every rank plans all K stages; the options are checked before any process group exists
         n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
-        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0",
-                               **chosen)
-        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout,
-                                   deferred_batch_norm=deferred_batch_norm)
+        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0", **chosen)
+        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout, deferred_batch_norm=deferred_batch_norm)
     else:
         if data_parallel != 1:
             raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
         device_list = resolve_devices(devices)
         options = Options.make(device_list, verbose=verbose, **chosen)
         if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs "
-                             f"real weights (use autopipe.plan to plan a meta model, or materialise it with "
-                             f"to_empty() and load a state dict)")
-
-        def build(args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
-            return run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
-
+            raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights (use "
+                             f"autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
+        build = lambda args, kwargs: run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
         pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
                         deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
                         track_memory=track_memory)

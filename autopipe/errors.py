@@ -6,5 +6,4 @@ from autopipe.runtime.executor import StageFailure
 from autopipe.runtime.microbatch import BatchMismatch
 from autopipe.runtime.p2p import PipelineError
 
-__all__ = ["BatchMismatch", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure",
-           "TraceError", "UnroutedRandomOp"]
+__all__ = ["BatchMismatch", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]

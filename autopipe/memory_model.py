@@ -1,8 +1,7 @@
 """What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks.
 
-Pure functions over a Plan and the CostedGraph it came from: no runtime starts and no real memory is touched. Activations
-are what autograd saves, counted on fake tensors with the hook pipe.memory counts with. Not modelled: the backward's
-transient gradients, the allocator, the loss outside the pipeline."""
+Pure functions over a Plan and its CostedGraph: no runtime starts and no real memory is touched. Activations are what autograd saves,
+counted on fake tensors with pipe.memory's hook. Not modelled: the backward's transient gradients, the allocator, the loss outside the pipeline."""
 from __future__ import annotations
 
 import functools
@@ -122,14 +121,10 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Ca
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     target = node.target
-    if target in random_ops.FUNCTIONS and random_ops.is_random_target(target):
-        bound = random_ops.bind(target, node.args, node.kwargs)
-        if bound is None or random_ops.draws(bound):
-            fn, extra = random_ops.FUNCTIONS[target]
-            kwargs = dict(kwargs)
-            if "train" in kwargs and "train" not in getattr(random_ops.signature_of(fn), "parameters", {}):
-                kwargs["training"] = kwargs.pop("train")
-            return fn(*args, **{**kwargs, **extra})
+    if target in random_ops.FUNCTIONS and random_ops.draws(random_ops.bind(target, node.args, node.kwargs) or {}):
+        fn, extra = random_ops.FUNCTIONS[target]
+        renamed = "train" not in getattr(random_ops.signature_of(fn), "parameters", {})  # aten's train, F's training
+        return fn(*args, **({("training" if k == "train" and renamed else k): v for k, v in kwargs.items()} | extra))
     return target(*args, **kwargs)
 
 
@@ -184,8 +179,7 @@ class PredictedMemory(list):
                    "activations = what autograd saves in one forward of the stage, plus inputs no op saves")
         rows = [[p.stage, p.device, _human(p.params), _human(p.grads), _human(p.optimizer_state), p.in_flight,
                  _human(p.kept_activations), _human(p.recompute_peak), _human(p.total), p.formula] for p in self]
-        table = tabulate(rows, headers=["stage", "device", "params", "grads", "optimizer", "in flight", "kept",
-                                        "recompute", "total", "kept ="], tablefmt="simple")
+        table = tabulate(rows, headers=["stage", "device", "params", "grads", "optimizer", "in flight", "kept", "recompute", "total", "kept ="])
         head = (f"Predicted memory: {self.schedule} (v={self.virtual_stages}), checkpoint={self.checkpoint!r}, "
                 f"M={self.chunks} micro-batches on {self.n_devices} device(s)")
         devices = "per device: " + ", ".join(f"{d}: {_human(b)}" for d, b in enumerate(self.per_device()))

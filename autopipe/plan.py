@@ -96,24 +96,19 @@ class Plan:
             return f"{len(infos)} / {human_bytes(sum(t.nbytes for t in infos))}"
 
         total = self.total_cost or 1.0
-        rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%",
-                 moved(s.inputs), moved(s.outputs),
+        rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%", moved(s.inputs), moved(s.outputs),
                  _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-")] for s in self.stages]
-        table = tabulate(rows, headers=["stage", "device", "nodes", "params", f"{self.balance} share",
-                                        "in (n / bytes)", "out (n / bytes)", "receives"], tablefmt="simple")
+        table = tabulate(rows, headers=["stage", "device", "nodes", "params", f"{self.balance} share", "in (n / bytes)", "out (n / bytes)", "receives"])
         lines = [f"Plan: {self.n_stages} stages x {self.chunks} micro-batches, balanced by {self.balance}, "
                  f"traced by {self.route}", table, "Cuts (tensors crossing, at the whole mini-batch):"]
         for c in range(self.n_stages - 1):
             crossing = self.cut_tensors(c)
             names = ", ".join(f"{t.name}{list(t.shape)}" for t in crossing) or "nothing"
-            lines.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), "
-                         f"{human_bytes(sum(t.nbytes for t in crossing))}: {_shorten(names, 100)}")
+            lines.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), {human_bytes(sum(t.nbytes for t in crossing))}: {_shorten(names, 100)}")
         bound = self.bottleneck / self.lower_bound if self.lower_bound else 1.0
-        lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}"
-                  f"   (lower bound = max(total/K, largest node))",
-                  f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup "
-                  f"{self.predicted_speedup:.2f}x on {self.n_stages} devices "
-                  f"(efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
+        lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}   (lower bound = max(total/K, largest node))",
+                  f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup {self.predicted_speedup:.2f}x on "
+                  f"{self.n_stages} devices (efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
         devices = self.param_devices
         shared = [f"{n} in stages {list(s)}" + (f" (on {devices[n][0]}, replicated to {', '.join(map(str, devices[n][1:]))}"
                                                 " each step)" if len(devices[n]) > 1 else "")
@@ -121,8 +116,7 @@ class Plan:
         if shared:
             lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(shared))
         if self.pass_seconds:
-            lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: "
-                         + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.pass_seconds.items()))
+            lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: " + ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items()))
         lines += [str(x) for x in (self.memory, self.choice) if x is not None]
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

@@ -120,10 +120,9 @@ _DEFAULT_GENERATORS = threading.Lock()
 
 
 def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **kwargs):
-    """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused
-    attention), drawing from ``generator`` instead: the default generator takes ``generator``'s state for the
-    call, under a lock, and gets its own back; ``generator`` moves on by what the kernel drew. A CUDA
-    generator's state is on the host (seed, offset), so this costs no synchronisation."""
+    """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused attention), drawing from
+    ``generator``: the default generator is lent its state under a lock, ``generator`` moves on by what was drawn, the default gets its
+    own back. A CUDA generator's state is on the host (seed, offset): no synchronisation."""
     device = generator.device
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
     with _DEFAULT_GENERATORS:
@@ -136,8 +135,7 @@ def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **k
             default.set_state(saved)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, generator=None):
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, generator=None):
     """On a GPU torch's own (fused flash / memory-efficient kernels) on ``generator``'s state; elsewhere its
     documentation's math reference (the lock around a CPU kernel would serialise the stages' attention)."""
     if generator is not None and query.device.type == "cuda":
@@ -261,12 +259,11 @@ class _Routed:
 
 
 class _RoutedFunctions(_Routed, TorchFunctionMode):
-    """Attention dropout on the CPU, where torch's kernels draw from the default generator, runs our math."""
+    """Attention dropout on the CPU, where torch's kernels draw from the default generator, runs our math (a GPU's reaches _RoutedKernels)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)) > 0 \
-                and args[0].device.type != "cuda":  # on a GPU its fused kernel reaches _RoutedKernels
+        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)) > 0 and args[0].device.type != "cuda":
             return scaled_dot_product_attention(*args, **kwargs, generator=self.generator)
         return func(*args, **kwargs)
 
@@ -284,8 +281,7 @@ class _RoutedKernels(_Routed, TorchDispatchMode):
         if how != "kwarg" and self.generator.device.type == "cuda":
             return on_default_generator(self.generator, func, *args, **kwargs)
         if how != "kwarg":
-            raise UnroutedRandomOp(
-                f"{func} draws random numbers inside {self.where} and takes no generator, so a recomputed forward "
-                f"would not replay it; set its dropout to 0 / call model.eval(), or use an op that takes a generator")
+            raise UnroutedRandomOp(f"{func} draws random numbers inside {self.where} and takes no generator, so a recomputed forward would not replay "
+                                   f"it; set its dropout to 0 / call model.eval(), or use an op that takes a generator")
         args, kwargs = with_generator(target, self.generator, args, kwargs)
         return target(*args, **kwargs)

@@ -89,8 +89,7 @@ class Check:
         if self.informational and not self.rows:
             return f"[{self.name}] " + "; ".join(self.notes or ["nothing compared"])
         bit = ": bit for bit" if self.tolerance == 0 else ""
-        verdict = ("info (not part of the verdict)" if self.informational else
-                   f"{'PASS' if self.passed else 'FAIL'} (tolerance {self.bound()}{bit})")
+        verdict = "info (not part of the verdict)" if self.informational else f"{'PASS' if self.passed else 'FAIL'} (tolerance {self.bound()}{bit})"
         lines = [f"[{self.name}] {verdict}", f"  run:       {self.run}", f"  reference: {self.reference}"]
         lines += [f"  note: {n}" for n in self.notes]
         if self.error is not None:
@@ -160,8 +159,7 @@ def _table(rows: list[Row], tolerance: float | None) -> str:
         shown += of_kind[:limit]
         if len(of_kind) > limit:
             hidden.append(f"{len(of_kind) - limit} more {kind} rows, each <= {_fmt(of_kind[limit].rel)}")
-    body = [[r.kind, r.name + (f" ({r.note})" if r.note else ""), _fmt(r.max_abs_diff),
-             _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
+    body = [[r.kind, r.name + (f" ({r.note})" if r.note else ""), _fmt(r.max_abs_diff), _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
              "" if tolerance is None else "ok" if r.within(tolerance) else "FAIL"] for r in shown]
     text = tabulate(body, headers=["", "name", "max|Δ|", "max|ref|", "max|Δ|/max|ref|", ""], disable_numparse=True)
     text += "\n(" + "; ".join(hidden) + ")" if hidden else ""
@@ -187,9 +185,8 @@ def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable,
     loss = loss_fn(output)
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return _Step(outputs=[(n, t.detach().clone()) for n, t in _leaves(output)], loss=loss.detach().clone(),
-                 grads=grads, buffers={n: b.detach().clone() for n, b in model.named_buffers()},
-                 has_model_loss=_model_loss(output) is not None)
+    return _Step(outputs=[(n, t.detach().clone()) for n, t in _leaves(output)], loss=loss.detach().clone(), grads=grads,
+                 buffers={n: b.detach().clone() for n, b in model.named_buffers()}, has_model_loss=_model_loss(output) is not None)
 
 
 def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
@@ -215,8 +212,7 @@ def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor 
     got, want = got.detach().cpu().to(exact), want.detach().cpu().to(exact)
     diff = torch.where((got == want) | (got.isnan() & want.isnan()), 0.0, (got - want).abs())  # max() keeps a NaN
     finite = want[want.isfinite()].abs()
-    return Row(kind, name, diff.max().item() if diff.numel() else 0.0, finite.max().item() if finite.numel() else 0.0,
-               note=note)
+    return Row(kind, name, diff.max().item() if diff.numel() else 0.0, finite.max().item() if finite.numel() else 0.0, note=note)
 
 
 def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_tolerance: float | None = None) -> list[Row]:
@@ -228,8 +224,7 @@ def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_toleranc
         row.floor = floor
         if shared_tolerance is not None and row.name in shared:
             row.tolerance = shared_tolerance
-            held = f"held by stages {', '.join(map(str, shared[row.name]))} (tied): bound {shared_tolerance:.0e}"
-            row.note = f"{row.note}; {held}" if row.note else held
+            row.note = "; ".join(filter(None, [row.note, f"held by stages {', '.join(map(str, shared[row.name]))} (tied): bound {shared_tolerance:.0e}"]))
     rows = [_compare("loss", "loss", run.loss, ref.loss)]
     rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs] + grads
     if buffers:
@@ -259,8 +254,7 @@ def _copy(model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, mode: 
     try:
         twin = copy.deepcopy(model)
     except Exception as e:
-        raise TypeError(f"autopipe.verify works on deep copies of the model, and copy.deepcopy({type(model).__name__}) "
-                        f"failed: {type(e).__name__}: {e}") from e
+        raise TypeError(f"autopipe.verify works on deep copies of the model, and copy.deepcopy({type(model).__name__}) failed: {type(e).__name__}: {e}") from e
     twin.zero_grad()
     twin = twin.to(dtype) if dtype else twin
     cast = lambda t: t.detach().to(dtype) if dtype and t.is_floating_point() else t.detach()
@@ -307,16 +301,14 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
     devices = [str(d) for d in resolve_devices(["cpu"] * devices if _positive_int(devices) else devices)]
     Options.make(devices, chunks=chunks, checkpoint=checkpoint)  # a bad chunks or checkpoint, named now
     with preserved_global_state(), torch.enable_grad():  # the caller's RNG, grad mode and thread count stay
-        return _verify(model, _as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint,
-                       loss_fn, compile_kwargs)
+        return _verify(model, _as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
 
 
 def _scalar_outputs(model, args, kwargs, devices, chunks) -> dict[int, Any]:
     """Output leaf -> the plan's facts of each 0-dim output (a loss: a mean or a sum over samples), so that the
     loop by hand merges as the pipeline does; {} where the model does not plan (the checks say why)."""
     try:
-        program = next(iter(run_passes(model, args, kwargs, Options.make(devices, chunks=chunks),
-                                       generate=False).programs.values()))
+        program = run_passes(model, args, kwargs, Options.make(devices, chunks=chunks), generate=False).main
     except Exception:  # noqa: BLE001
         return {}
     infos = zip(program.traced.output_positions, map(program.plan.tensors.get, program.plan.graph_outputs))
@@ -324,8 +316,7 @@ def _scalar_outputs(model, args, kwargs, devices, chunks) -> dict[int, Any]:
 
 
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
-    own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()),
-               torch.get_default_dtype())
+    own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.get_default_dtype())
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
     batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
     sizes = micro_batch_sizes(batch, chunks)
@@ -337,8 +328,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             return outputs[0]
         flat = [pytree.tree_flatten(_register_dataclasses(o)) for o in outputs]
         columns = enumerate(zip(*(leaves for leaves, _ in flat)))
-        return pytree.tree_unflatten([merge(c, sizes, scalars.get(i)) if isinstance(c[0], torch.Tensor) else c[0]
-                                      for i, c in columns], flat[0][1])
+        return pytree.tree_unflatten([merge(c, sizes, scalars.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
 
     @functools.cache
     def run(dtype, how: str, mode: bool | None = None, threads: int | None = None) -> _Step:
@@ -348,8 +338,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             pieces = [(a, k)] if how == "whole" else split_target((a, k), sizes)
             # each micro-batch's graph keeps the buffers as it saw them, as with a backward per micro-batch
             buffers = {b.untyped_storage().data_ptr() for b in twin.buffers()}
-            with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t, lambda t: t):
                 return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
         options = {**compile_kwargs, **({"intra_op_threads": threads} if threads else {})}
         pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, **options)
@@ -368,8 +357,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     loop = f"the plain model by hand on the same {len(sizes)} micro-batches {tuple(sizes)}"
 
     # structure: the pipeline against the plain model, in float64 or else in the model's own dtype
-    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None),
-                                      (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
+    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None), (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
         try:
             randomness = _randomness(model, args, kwargs, dtype)
             compare = training if randomness != RANDOM else False if (
@@ -394,11 +382,9 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         name = _dtype_name(dtype)
         where = f"{'train' if compare else 'eval'} mode{' (dropout off)' if randomness == RANDOM else ''}, {name}"
         deferred = bool(compile_kwargs.get("deferred_batch_norm"))  # BatchNorm statistics of the whole mini-batch
-        structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}"
-                          f"{', 1 thread per worker' if threads else ''}", f"{loop}, {where}, 1 thread", tolerance,
-                          notes=["deferred_batch_norm=True: buffers not compared"] if deferred else [])
-        report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference,
-                                       buffers=not deferred))
+        structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}{', 1 thread per worker' if threads else ''}",
+                          f"{loop}, {where}, 1 thread", tolerance, notes=["deferred_batch_norm=True: buffers not compared"] if deferred else [])
+        report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference, buffers=not deferred))
         if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
             info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
                                 f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))

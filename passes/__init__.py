@@ -1,2 +1,1 @@
-"""autopipe's compiler passes: trace -> cost -> partition -> codegen. Each pass is one file
-with one entry function and a typed result; none imports the runtime."""
+"""autopipe's compiler passes: trace -> cost -> partition -> codegen, one file and entry function each; none imports the runtime."""

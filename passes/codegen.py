@@ -1,7 +1,5 @@
-"""Codegen pass: Plan + graph -> one readable fx.GraphModule per stage, nothing wrapping its ops at run time.
-
-The contract (random ops, devices, in-place writes, module aliases) is docs/architecture.md's "codegen".
-"""
+"""Codegen pass: Plan + graph -> one readable fx.GraphModule per stage, nothing wrapping its ops at run time. The
+contract (random ops, devices, in-place writes, module aliases): docs/architecture.md, "codegen"."""
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +23,7 @@ from autopipe.plan import Plan, StagePlan
 class Stage(fx.GraphModule):
     """``stage(*inputs) -> tuple(outputs)`` named by the plan; with ``uses_rng`` also ``generator=``."""
 
-    def __init__(self, root: torch.nn.Module, graph: fx.Graph, plan: StagePlan, header: str,
-                 attributes: dict[str, Any], cloned_inputs: list[str]):
+    def __init__(self, root: torch.nn.Module, graph: fx.Graph, plan: StagePlan, header: str, attributes: dict[str, Any], cloned_inputs: list[str]):
         super().__init__(_Root(root, {**attributes, "stage_device": plan.device}), graph, f"Stage{plan.index}")
         self.index = plan.index
         self.input_names, self.output_names = list(plan.inputs), list(plan.outputs)
@@ -249,13 +246,12 @@ _INPLACE_OPERATORS = frozenset({operator.setitem} | {getattr(operator, f"i{name}
 _INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
 # results that may share storage with their first argument: views, and conversions that may return ``self``
 _VIEW_NAMES = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint", "permute",
-    "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select", "split", "split_with_sizes", "tensor_split",
-    "hsplit", "vsplit", "dsplit", "chunk", "unbind", "flatten", "unflatten", "ravel", "diagonal", "detach",
-    "contiguous", "as_strided", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag",
-    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to", "type", "type_as",
-    "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "data",
-    "__getitem__", "align_to", "rename", "refine_names", "indices", "values",
+    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint", "permute", "unsqueeze", "squeeze", "expand",
+    "expand_as", "narrow", "select", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk", "unbind", "flatten",
+    "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag",
+    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to", "type", "type_as", "float", "double", "half",
+    "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "data", "__getitem__", "align_to", "rename", "refine_names",
+    "indices", "values",
 })
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index"})
 
@@ -289,16 +285,14 @@ def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tupl
         name, signature = random_ops.op_name(target), random_ops.signature_of(target)
         inplace = signature is not None and "inplace" in signature.parameters \
             and (random_ops.bind(target, node.args, node.kwargs) or {}).get("inplace") is True
-        if inplace or (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS \
-                or target in _INPLACE_OPERATORS:
+        if inplace or (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS or target in _INPLACE_OPERATORS:
             written = [first]
         if node.op == "call_method":
             view = target in _VIEW_NAMES
         elif target is operator.getitem:  # a tensor indexed by tensors or lists is copied; a tuple's item aliases
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             view = first is None or not isinstance(first.meta.get("val"), torch.Tensor) or not any(
-                isinstance(p, list) or (isinstance(p, fx.Node) and isinstance(p.meta.get("val"), torch.Tensor))
-                for p in index)
+                isinstance(p, list) or (isinstance(p, fx.Node) and isinstance(p.meta.get("val"), torch.Tensor)) for p in index)
         else:  # torch.Tensor.view is a method descriptor: its class names the module
             module = getattr(target, "__module__", None) or getattr(getattr(target, "__objclass__", None), "__module__", "")
             view = target is getattr or (str(module).startswith("torch") and name in _VIEW_NAMES)
@@ -385,8 +379,7 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
     facts, written = _GraphFacts(stage), []
     for node, args in facts.writes.items():
-        by_norm = node.op != "call_module" and random_ops.op_name(
-            random_ops.resolve(node.target, node.args, node.kwargs)) in _BATCH_NORMS
+        by_norm = node.op != "call_module" and random_ops.op_name(random_ops.resolve(node.target, node.args, node.kwargs)) in _BATCH_NORMS
         for base in (facts.base[a] for a in args):
             value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):

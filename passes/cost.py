@@ -1,6 +1,5 @@
 """Cost pass: per-node FLOPs, parameter bytes and output bytes (and seconds, if asked); where the FLOPs come from:
-docs/architecture.md, "Contracts between passes". Uncounted ops (elementwise, norms) weigh one FLOP per output
-element."""
+docs/architecture.md, "Contracts between passes". Uncounted ops (elementwise, norms): one FLOP per output element."""
 from __future__ import annotations
 
 import collections
@@ -71,9 +70,8 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
         with scalar_buffers_kept(gm, every_buffer=True), torch.no_grad():  # running stats must not move
             for _ in range(3):
                 _Timer(gm, seconds).run(*measure_inputs)
-    costs = {n.name: NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")),
-                              params=params[n], seconds=statistics.median(seconds[n.name]) if seconds else None)
-             for n in params}
+    costs = {n.name: NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")), params=params[n],
+                              seconds=statistics.median(seconds[n.name]) if seconds else None) for n in params}
     return CostedGraph(traced=traced, costs=costs, tensor_bytes=tensor_bytes)
 
 
@@ -87,13 +85,11 @@ _CONV_TRANSPOSE = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, a
                    aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 _ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
 # elementwise work or a gather: one FLOP per output element
-_CHEAP_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh,
-                  nn.Mish, nn.Softplus, nn.ELU, nn.Softmax, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm,
-                  nn.RMSNorm, nn.modules.batchnorm._BatchNorm, nn.Embedding, nn.Identity, nn.Flatten, nn.Upsample,
-                  nn.PixelShuffle, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
-                  nn.modules.pooling._AdaptiveAvgPoolNd)
-_TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.functional",
-                  "torch._C._VariableFunctions"}
+_CHEAP_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh, nn.Mish, nn.Softplus,
+                  nn.ELU, nn.Softmax, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
+                  nn.Embedding, nn.Identity, nn.Flatten, nn.Upsample, nn.PixelShuffle, nn.modules.pooling._MaxPoolNd,
+                  nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd)
+_TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.functional", "torch._C._VariableFunctions"}
 
 
 def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
@@ -132,12 +128,11 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
     with mode, scalar_buffers_kept(gm):
         for node in nodes:
             counter = FlopCounterMode(display=False)
-            try:  # grad mode too: export's wrap_with_set_grad_enabled leaves it off when its body raises
-                with counter, torch.set_grad_enabled(torch.is_grad_enabled()):
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
-                    getattr(runner, node.op)(node.target, args, kwargs)
-            except Exception:
-                pass  # counted as one FLOP per output element
+            # a failing op counts one FLOP per output element; grad mode is put back, as export's
+            # wrap_with_set_grad_enabled leaves it off when its body raises
+            with contextlib.suppress(Exception), counter, torch.set_grad_enabled(torch.is_grad_enabled()):
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
+                getattr(runner, node.op)(node.target, args, kwargs)
             counts[node] = counter.get_total_flops()
     return counts
 
@@ -157,17 +152,16 @@ class _Timer(fx.Interpreter):
             start = time.perf_counter()
             result = super().run_node(n)
             self.seconds[n.name].append(time.perf_counter() - start)
-            return result
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        result = super().run_node(n)
-        end.record()
-        self.events.append((n.name, begin, end))
+        else:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            result = super().run_node(n)
+            end.record()
+            self.events.append((n.name, begin, end))
         return result
 
     def run(self, *args):
-        cuda = next((t.device for t in itertools.chain(args, self.module.parameters())
-                     if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        cuda = next((t.device for t in itertools.chain(args, self.module.parameters()) if isinstance(t, torch.Tensor) and t.is_cuda), None)
         self.events = [] if cuda else None
         with torch.cuda.device(cuda) if cuda else contextlib.nullcontext():  # events on the model's GPU
             result = super().run(*args)

@@ -5,8 +5,7 @@ live across p, stage [a, b) costs W[b] - W[a] and holds each shared tensor it to
 activation_multiplier * L[a]. First the least bottleneck B*, by bisection snapped onto attained stage
 costs (chains-on-chains partitioning: Bokhari 1988, Pinar & Aykanat 2004); then, among plans within
 (1 + tolerance) B*, the fewest then smallest crossing tensors: a shortest path through K layers of cut
-positions (PipeDream's planner, Narayanan et al. 2019). Each layer is whole-array passes over intervals.
-"""
+positions (PipeDream's planner, Narayanan et al. 2019). Each layer is whole-array passes over intervals."""
 from __future__ import annotations
 
 import itertools
@@ -61,8 +60,7 @@ class _Chain:
             elif members:
                 spans[members] = spans.get(members, 0.0) + float(size)
         # per shared tensor, the first member at or after each position: stage [a, b) touches it iff that is < b
-        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))])
-                       for members, size in spans.items()]
+        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))]) for members, size in spans.items()]
         self.own = np.concatenate(([0.0], np.cumsum(own)))
         self.activation = float(problem.activation_multiplier) * self.live_bytes
         self.memory_end = np.full(n, n) if self.cap is None else self.reach(self.cap)
@@ -117,11 +115,9 @@ class _Chain:
         last = np.append(first[1:], self.n)
         costs = self.cost(first, last)
         return CutSolution(
-            starts=tuple(int(a) for a in starts), stage_costs=tuple(float(c) for c in costs),
-            bottleneck=float(costs.max()), optimum=float(optimum),
-            cut_tensors=tuple(int(t) for t in self.live_tensors[first[1:]]),
-            cut_bytes=tuple(int(d) for d in self.live_bytes[first[1:]]),
-            stage_memory=tuple(float(m) for m in self.held(first, last)))
+            starts=tuple(int(a) for a in starts), stage_costs=tuple(float(c) for c in costs), bottleneck=float(costs.max()),
+            optimum=float(optimum), cut_tensors=tuple(int(t) for t in self.live_tensors[first[1:]]),
+            cut_bytes=tuple(int(d) for d in self.live_bytes[first[1:]]), stage_memory=tuple(float(m) for m in self.held(first, last)))
 
 
 def _validated_size(problem: CutProblem) -> int:
@@ -129,11 +125,9 @@ def _validated_size(problem: CutProblem) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"n_stages must be a positive integer, got {k!r}")
     if k > n:
-        raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: "
-                         f"use at most {n} stages")
-    shared = problem.shared_memory or ()
-    fields = ("weights", "out_bytes", "tolerance", "activation_multiplier")
-    for name, values in [(f, getattr(problem, f)) for f in fields] + [("shared_memory sizes", [s for s, _ in shared])]:
+        raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: use at most {n} stages")
+    checked = [(f, getattr(problem, f)) for f in ("weights", "out_bytes", "tolerance", "activation_multiplier")]
+    for name, values in checked + [("shared_memory sizes", [s for s, _ in problem.shared_memory or ()])]:
         values = np.asarray([] if values is None else values, dtype=float)
         if not np.all(np.isfinite(values) & (values >= 0)):
             raise ValueError(f"{name} must be finite and non-negative")
@@ -277,19 +271,16 @@ def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
     assert totals[k][0] < infinity, "the optimal plan is within its own bound"
 
     def admissible(s, a, b):
-        return ((totals[s - 1][a - low[s - 1]] == totals[s][b - low[s]] - keys[b])
-                & (chain.memory_end[a] >= b) & (chain.cost(a, b) <= bound))
+        return (totals[s - 1][a - low[s - 1]] == totals[s][b - low[s]] - keys[b]) & (chain.memory_end[a] >= b) & (chain.cost(a, b) <= bound)
 
     return _trace_back(n, low, high, admissible, chain.cost)
 
 
 def _cover_min(values, first, last, size: int, need, infinity) -> np.ndarray:
     """For every b < size: the min of values[i] over intervals [first[i], last[i]] covering b with i >= need[b]
-    (need: an array or one number).
-
-    A merge sort tree: a segment tree over positions whose nodes keep their intervals sorted by index; a
-    query takes the suffix from need[b] in each node on its leaf-to-root path. All nodes' suffix minima come
-    from one cumulative minimum, each node lifted above the next."""
+    (need: an array or one number). A merge sort tree: a segment tree over positions whose nodes keep their
+    intervals sorted by index; a query takes the suffix from need[b] in each node on its leaf-to-root path. All
+    nodes' suffix minima come from one cumulative minimum, each node lifted above the next."""
     count = len(values)
     if not count:
         return np.full(size, infinity, dtype=np.asarray(values).dtype)

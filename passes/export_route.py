@@ -13,7 +13,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopipe.random_ops import op_name
 from .trace import TracedModel, _specialises_batch, flat_root, user_frame
+
 
 class ExportRouteError(RuntimeError):
     """torch.export could not capture the model (the cause is chained)."""
@@ -26,21 +28,13 @@ class ExportedGraph(TracedModel):
     training: bool = False  # the mode the graph was captured in: dropout and BatchNorm behave as in it
     batch_symbol: Any = None  # sympy symbol of the batch dimension in node.meta["val"]; None when static
 
-    unflatten_output = TracedModel.rebuild_output
 
-    @property
-    def output_constants(self) -> dict[int, Any]:
-        return {i: leaf for i, leaf in enumerate(self.output_leaves) if i not in self.output_positions}
-
-
-def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *,
-                      dynamic_batch: bool = True) -> ExportedGraph:
+def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *, dynamic_batch: bool = True) -> ExportedGraph:
     """``model`` called with ``bound`` (its forward's bound arguments) as a flat graph. Dim 0 of each tensor with
     ``batch_size`` rows is one dynamic dimension, unless not ``dynamic_batch``. Raises ExportRouteError."""
     signature = inspect.signature(model.forward)
     forced = {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in bound else {}
-    eg = ExportedGraph.for_call(signature, bound, route="export", batch_size=batch_size, forced_kwargs=forced,
-                                training=model.training)
+    eg = ExportedGraph.for_call(signature, bound, route="export", batch_size=batch_size, forced_kwargs=forced, training=model.training)
     tensors = eg.flatten_inputs(bound)
     is_batch = [t.dim() > 0 and t.shape[0] == batch_size for t in tensors]
     if not any(is_batch):
@@ -73,7 +67,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
             node.name = node.target = next(names)  # fx would rename an argument that shadows a builtin (input)
         elif node.op == "call_function":
             innermost = [v[0] for v in node.meta.get("nn_module_stack", {}).values() if v[0]][-1:]
-            node._rename(re.sub(r"\W", "_", "_".join([*innermost, _op_name(node)])))
+            node._rename(re.sub(r"\W", "_", "_".join([*innermost, op_name(node.target) or "op"])))
     output = graph.output_node()
     output.args = (tuple(output.args[0]),)
     eg.graph_module = gm = fx.GraphModule(unlifted, graph, class_name=f"{type(model).__name__}Graph")
@@ -101,13 +95,9 @@ def _fresh(x: torch.Tensor, twice: bool) -> torch.Tensor:
     return (y if y.device.type == "meta" else y.copy_(x0)).requires_grad_(x.requires_grad)
 
 
-def _op_name(n: fx.Node) -> str:
-    return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", str(n.target)).strip("_") or "op"
-
-
 def _is_check(node: fx.Node) -> bool:
     """Export's re-checks of facts about the example: aten asserts and range constraints, its _guards_fn."""
     if node.op == "call_module":
         return str(node.target).startswith("_guards_fn")
-    name = _op_name(node) if node.op == "call_function" else ""
+    name = op_name(node.target) if node.op == "call_function" else ""
     return "assert" in name or "constrain_range" in name

@@ -18,15 +18,13 @@ __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cu
 
 
 def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.device] | None = None, chunks: int = 1,
-              balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None,
-              notes: Sequence[str] = ()) -> Plan:
+              balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None, notes: Sequence[str] = ()) -> Plan:
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
     weight_of = dict(zip(every, _weights(costed, every, balance)))
     free = {n for n, r in zip(every, _replicable(costed, every, set(outputs), list(weight_of.values()), n_stages)) if r}
-    # a getitem of a tuple (qkv.split(...)[0]) joins its producer's group, so no tuple carrying the producer's
-    # autograd graph crosses a cut
+    # a getitem of a tuple (qkv.split(...)[0]) joins its producer's group: no tuple carrying its autograd graph crosses a cut
     group_of: dict[fx.Node, fx.Node] = {}
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in (n for n in every if n not in free):
@@ -55,20 +53,17 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
         for m, i in index.items():
             for p in costed.costs[m.name].params:
                 readers.setdefault(p, set()).add(i)
-        shared = [(costed.tensor_bytes[p] * (4.0 if _is_param(gm, p) else 1.0), sorted(r))
-                  for p, r in readers.items()]
+        shared = [(costed.tensor_bytes[p] * (4.0 if _is_param(gm, p) else 1.0), sorted(r)) for p, r in readers.items()]
     weights = [sum(weight_of[m] for m in groups[n]) for n in order]
     if isinstance(balance, str):
-        solution = solve_cuts(CutProblem(
-            weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
-            shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks)))
+        solution = solve_cuts(CutProblem(weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
+                                         shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks)))
         starts, optimum = list(solution.starts), solution.optimum
     else:
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
     ends = starts[1:] + [len(order)]
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
-    plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance,
-                       optimum, outputs)
+    plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
     plan.notes.extend(notes)
     plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
                       f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
@@ -136,8 +131,7 @@ def _is_tensor_valued(n: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val]))
 
 
-def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum,
-                output_args) -> Plan:
+def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, output_args) -> Plan:
     gm = costed.traced.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
@@ -145,8 +139,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     merges = _scalar_merges(gm, costed.traced.batch_size, costed.traced.static_batch is not None)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
-        readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users
-                                   if u in free or u in stage_of))
+        readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
     tensors: dict[str, TensorInfo] = {}
     inputs, sent, replicated = ([[] for _ in range(n_stages)] for _ in range(3))
     for n in placeholders + nodes:
@@ -172,15 +165,13 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         own = [n for n in nodes if stage_of.get(n) == s]
         params = sorted(p for p, st in param_stages.items() if s in st)
         stages.append(StagePlan(
-            index=s, device=torch.device(devices[s]), nodes=tuple(n.name for n in own),
-            replicated=tuple(replicated[s]), inputs=tuple(inputs[s]), outputs=tuple(sent[s]), params=tuple(params),
-            param_bytes=sum(costed.tensor_bytes[p] for p in params), flops=sum(costed.costs[n.name].flops for n in own),
-            cost=sum(weight_of[n] for n in own)))
+            index=s, device=torch.device(devices[s]), nodes=tuple(n.name for n in own), replicated=tuple(replicated[s]),
+            inputs=tuple(inputs[s]), outputs=tuple(sent[s]), params=tuple(params), param_bytes=sum(costed.tensor_bytes[p] for p in params),
+            flops=sum(costed.costs[n.name].flops for n in own), cost=sum(weight_of[n] for n in own)))
     weights = [weight_of[n] for n in stage_of]  # every owned node (a group: its node and its getitems)
     return Plan(
-        stages=stages, tensors=tensors, graph_inputs=[p.name for p in placeholders],
-        graph_outputs=[a.name for a in output_args], chunks=chunks,
-        balance=balance if isinstance(balance, str) else f"shares {list(balance)}", route=costed.traced.route,
+        stages=stages, tensors=tensors, graph_inputs=[p.name for p in placeholders], graph_outputs=[a.name for a in output_args],
+        chunks=chunks, balance=balance if isinstance(balance, str) else f"shares {list(balance)}", route=costed.traced.route,
         lower_bound=max(sum(weights) / n_stages, max(weights, default=0.0)), optimum=optimum, tolerance=tolerance,
         shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)})
 
@@ -191,13 +182,12 @@ _LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "bin
 # their mean is over the targets not ignored (ignore_index) or weighed by class weights: no merge of micro-batch means
 _TARGET_MEANS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
                            "nll_loss_nd", "CrossEntropyLoss", "NLLLoss"})
-_LOSS_MODULES = {"MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
-                 "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits",
-                 "KLDivLoss": "kl_div"}  # torch.nn's loss modules, which fx keeps whole, by their functions' names
 _PASS_THROUGH = frozenset({"to", "type", "float", "double", "half", "bfloat16", "clone", "contiguous", "view",
                            "reshape", "squeeze", "neg", "getitem", "_to_copy", "alias"})
-_IN_PLACE = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub",
-             "mul_": "mul", "div_": "div"}
+# in-place ops read as their out-of-place op; torch.nn's loss modules (fx keeps them whole) as their functions
+_READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", "add_": "add", "sub_": "sub", "mul_": "mul",
+            "div_": "div", "MSELoss": "mse_loss", "L1Loss": "l1_loss", "SmoothL1Loss": "smooth_l1_loss", "HuberLoss": "huber_loss",
+            "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
 def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node, str]:
@@ -210,7 +200,7 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
         if batch_rows(n, batch) and n.op == "placeholder" or any(a in from_batch for a in n.all_input_nodes):
             from_batch.add(n)
 
-    def reduction(n: fx.Node, default: str) -> str:
+    def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
             return gm.get_submodule(n.target).reduction
         try:
@@ -220,7 +210,7 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
         bound.apply_defaults()
         if bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None:
             return "unknown"  # the deprecated way to say the reduction
-        how = bound.arguments.get("reduction", default)
+        how = bound.arguments.get("reduction", "mean")
         return {0: "none", 1: "mean", 2: "sum"}.get(how, how)  # aten's enum, or F's string
 
     def kind(n, reader: fx.Node | None = None) -> str:
@@ -230,15 +220,14 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
             return "unknown"  # written in place after it was read here
         if n.op == "call_module":
             name = type(gm.get_submodule(n.target)).__name__
-            name = _LOSS_MODULES.get(name, name)
         else:
             name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
-        name = _IN_PLACE.get(name, name)
+        name = _READ_AS.get(name, name)
         first = n.args[0] if n.args else None
         if name in ("mean", "sum") and batch_rows(first, batch) and not n.meta["val"].dim():
             return name
         if (name in _LOSSES or name in _TARGET_MEANS) and batch_rows(first, batch):
-            how = reduction(n, "mean")
+            how = reduction(n)
             return "sum" if how == "sum" else "mean" if how in ("mean", "batchmean") and name in _LOSSES else "unknown"
         if name in _PASS_THROUGH:
             return kind(first, n)
@@ -280,15 +269,13 @@ def batch_rows(n: Any, batch: int) -> bool:
 def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind."""
     val = n.meta.get("val")
-    kind, batched, shape, dtype, nbytes, rows = "other", False, (), torch.int64, 0, 1
+    kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 1
     if isinstance(val, torch.Tensor):
         kind, shape, dtype, nbytes = "tensor", tuple(int(d) for d in val.shape), val.dtype, val.nbytes
-        batched = bool(val.dim()) and (isinstance(val.shape[0], torch.SymInt) or int(val.shape[0]) == batch)
         rows = shape[0] // batch if shape and batch and shape[0] % batch == 0 else 0
     elif isinstance(val, (int, torch.SymInt)):
         kind = "int"
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
-    return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer,
-                      consumers=tuple(consumers), is_output=is_output, kind=kind, batched=batched, rows_per_sample=rows,
-                      scalar_merge=scalar_merge)
+    return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer, consumers=tuple(consumers),
+                      is_output=is_output, kind=kind, batched=batch_rows(n, batch), rows_per_sample=rows, scalar_merge=scalar_merge)

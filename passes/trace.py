@@ -69,11 +69,9 @@ class TracedModel:
         """The calling convention of a call with these bound arguments; the graph is still to be traced."""
         with_paths, spec = pytree.tree_flatten_with_path(dict(arguments))
         tensors = [i for i, (_, leaf) in enumerate(with_paths) if isinstance(leaf, torch.Tensor)]
-        return cls(signature=signature, input_names=_leaf_names([with_paths[i][0] for i in tensors]), input_spec=spec,
+        return cls(signature=signature, input_names=_leaf_names([with_paths[i][0] for i in tensors]), input_spec=spec, tensor_positions=tensors,
                    input_leaves=[None if i in tensors else leaf for i, (_, leaf) in enumerate(with_paths)],
-                   tensor_positions=tensors, example_arguments={
-                       k: torch.empty(0) if isinstance(v, torch.Tensor) else None for k, v in arguments.items()},
-                   **fields)
+                   example_arguments={k: torch.empty(0) if isinstance(v, torch.Tensor) else None for k, v in arguments.items()}, **fields)
 
     def flat_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         return self.flatten_inputs(self.signature.bind(*args, **kwargs).arguments)
@@ -87,8 +85,7 @@ class TracedModel:
         names = dict(zip(self.tensor_positions, self.input_names))
         for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
             if i in names and not isinstance(now, torch.Tensor):
-                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is "
-                                    f"{type(now).__name__} now")
+                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is {type(now).__name__} now")
             if i not in names and not _same_constant(now, then):
                 raise InputMismatch(f"non-tensor argument #{i} was {then!r} when the pipeline was compiled and is "
                                     f"{now!r} now; it is baked into the graph")
@@ -103,8 +100,7 @@ class TracedModel:
         bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
         leaves, self.output_spec = pytree.tree_flatten(_register_dataclasses(fn(*bound.args, **bound.kwargs)))
         if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
-            raise TypeError("the output holds a number that depends on the batch size: only tensors and constants "
-                            "can be outputs")
+            raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, fx.Proxy))]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
         return tuple(leaves[i] for i in self.output_positions)
@@ -175,8 +171,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     else:
         if static_batch > batch:
             raise ValueError(f"static_batch={static_batch} is more rows than the example inputs have ({batch})")
-        arguments = pytree.tree_map(lambda x: x[:static_batch] if isinstance(x, torch.Tensor) and x.dim() > 0
-                                    and x.shape[0] == batch else x, arguments)
+        arguments = pytree.tree_map_only(torch.Tensor, lambda x: x[:static_batch] if x.dim() > 0 and x.shape[0] == batch else x, arguments)
         attempts = [(f"torch.export (non-strict, static shapes, batch {static_batch})",
                      lambda: export_flat_graph(model, arguments, static_batch, dynamic_batch=False))]
     errors: list[tuple[str, BaseException]] = []
@@ -242,8 +237,7 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
 
     class LeafTracer(fx.Tracer):  # keeps the user's chosen modules (types or qualified names) whole
         def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
-            return (any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves)
-                    or super().is_leaf_module(m, name))
+            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or super().is_leaf_module(m, name)
 
     root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
     with _what_fx_cannot_record(model) as lost:
@@ -263,8 +257,6 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     (``torch.rand(n)``: fx runs it once and bakes the draw in as a constant). Yields the list of what was lost,
     filled on exit."""
     tracer_thread, switches, draws, lost = threading.get_ident(), [], [], []
-    _FX_TRACING.acquire()  # one patch of torch._C._set_grad_enabled at a time
-    set_grad_enabled = torch._C._set_grad_enabled
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 
     def where() -> str:
@@ -285,13 +277,14 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
                if not t.is_inference()}  # an inference tensor has no version counter
     versions = {name: t._version for name, t in tensors.items()}
-    torch._C._set_grad_enabled = recording
-    try:
-        with RealDraws():
-            yield lost
-    finally:
-        torch._C._set_grad_enabled = set_grad_enabled
-        _FX_TRACING.release()
+    with _FX_TRACING:  # one patch of torch._C._set_grad_enabled at a time
+        set_grad_enabled = torch._C._set_grad_enabled
+        torch._C._set_grad_enabled = recording
+        try:
+            with RealDraws():
+                yield lost
+        finally:
+            torch._C._set_grad_enabled = set_grad_enabled
     written = [name for name, t in tensors.items() if t._version != versions[name]]
     if switches:
         lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
@@ -299,15 +292,13 @@ def _what_fx_cannot_record(model: torch.nn.Module):
         lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw "
                     f"once while tracing and keep as a constant")
     if written:
-        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
-                    f"while tracing")
+        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once while tracing")
 
 
 @contextlib.contextmanager
 def buffers_kept(module: torch.nn.Module):
     """Puts back every buffer that tracing wrote (fx and export run some ops on real tensors for real)."""
-    saved = [(b, b._version, b.clone()) for b in module.buffers()
-             if b.device.type != "meta" and not b.is_inference()]
+    saved = [(b, b._version, b.clone()) for b in module.buffers() if b.device.type != "meta" and not b.is_inference()]
     try:
         yield
     finally:
@@ -348,8 +339,7 @@ def output_shapes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
         with_paths = pytree.tree_flatten_with_path(out)[0]
     except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
         return None
-    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None)
-            for path, t in with_paths]
+    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None) for path, t in with_paths]
 
 
 class _MetaProp(fx.Interpreter):
@@ -387,8 +377,7 @@ def _leaf_names(paths: Iterable[tuple]) -> list[str]:
 
 def _batch_size(tensors: list[torch.Tensor], names: list[str]) -> int:
     if tensors[0].dim() == 0:
-        raise ValueError(f"argument {names[0]!r} is a 0-dim tensor; the first tensor argument must carry the batch "
-                         f"in dim 0")
+        raise ValueError(f"argument {names[0]!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
     batch = tensors[0].shape[0]
     for name, t in zip(names, tensors):
         if t.dim() > 0 and t.shape[0] != batch:
@@ -423,8 +412,7 @@ def user_frame(error: BaseException, model: torch.nn.Module) -> str:
     code (outside torch and this package), or ""."""
     skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
             "<string>", "<eval_with_key")  # torch, this package, the code trace and fx generate
-    frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
-              if not frame.f_code.co_filename.startswith(skip)]
+    frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__) if not frame.f_code.co_filename.startswith(skip)]
     if not frames:
         return ""
     frame, line = frames[-1]

@@ -185,6 +185,42 @@ def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():
     assert model.layers[0].weight.grad is None
 
 
+
+def test_gradients_reach_parameters_only_through_the_backward_that_asks_for_them():
+    """The step's parameter gradients reach the engine through a persistent node per device (pipeline.py, _Anchor):
+    a backward that does not run it leaves nothing behind, two calls in one loss add up, a frozen parameter gets none."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    x1, x2 = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    params = list(model.parameters())
+
+    def plain(loss_of):
+        model.zero_grad(set_to_none=True)
+        loss_of(model).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    pipe = autopipe.compile(model, devices=3, chunks=4)
+    x = x1.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(pipe(x).pow(2).sum(), [x])  # only the input's gradient: no parameter is touched
+    torch.testing.assert_close(gx, torch.autograd.grad(model(x).pow(2).sum(), [x])[0], rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in params)
+    both = lambda m: m(x1).pow(2).sum() + m(x2).sin().sum()  # noqa: E731
+    expected = plain(both)
+    both(pipe).backward()  # two pipeline calls, one backward: one sum per parameter
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=1e-12)
+    model.zero_grad(set_to_none=True)
+    model.layers[0].weight.requires_grad_(False)
+    expected = plain(both)
+    both(pipe).backward()
+    assert model.layers[0].weight.grad is None
+    for p, e in zip(params, expected):
+        if e is not None:
+            torch.testing.assert_close(p.grad, e, rtol=0, atol=1e-12)
+
+
 # -- 7. thread-local state follows the work ----------------------------------------------------
 
 @pytest.mark.parametrize("track_memory", [False, True])  # its own saved-tensor counter chains to the user's hooks

@@ -209,13 +209,13 @@ class DistributedPipeline(torch.nn.Module):
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, last_stage=last,
                         targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes])
         for runner in runners.values():
-            runner.start_step()
+            runner.start_step(state)
         transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()
         for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
-            accumulate_grads(runner.take_grads())
+            accumulate_grads(runner.take_grads(state))
         self._reduce_gradients()
         return loss.total if loss is not None else None
 

@@ -80,10 +80,11 @@ class Compiled:
 
 
 class _PipelineFunction(torch.autograd.Function):
-    """The pipeline as one autograd node: its backward drives the stages' backward."""
+    """The pipeline as one autograd node: its backward drives the stages' backward. Its inputs are the call's
+    tensors and one anchor per device (_Anchor), which hands the parameters' gradients on."""
 
     @staticmethod
-    def forward(ctx, run: "_Run", *inputs_and_params: torch.Tensor):
+    def forward(ctx, run: "_Run", *inputs_and_anchors: torch.Tensor):
         outputs = run.forward()
         ctx.run = run
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
@@ -97,7 +98,52 @@ class _PipelineFunction(torch.autograd.Function):
                                "(retain_graph=True is not supported)")
         ctx.run = None
         input_grads, param_grads = run.backward(grad_outputs)
-        return (None, *input_grads, *param_grads)
+        return (None, *input_grads, *[anchor.deliver(param_grads) for anchor in run.anchors])
+
+
+class _Anchor(torch.autograd.Function):
+    """A persistent autograd node whose inputs are one device's trainable parameters, and whose output feeds every
+    step's _PipelineFunction. A step's backward leaves the gradients in its box for the engine to take, tagged with
+    its graph task: parameters made inputs of _PipelineFunction instead would cost the engine ~2 us each, every step.
+    Built once per parameter list and current stream (the stream the engine orders the gradients on)."""
+
+    @staticmethod
+    def forward(ctx, box: "_Box", *params: torch.Tensor):
+        ctx.box = box  # not the Anchor: its tensor holds this node, and the cycle would keep the parameters alive
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        (task, grads), ctx.box.left = ctx.box.left, (None, None)
+        return (None, *(grads if task == torch._C._current_graph_task_id() else [None] * ctx.box.count))
+
+
+@dataclass
+class _Box:
+    count: int
+    left: tuple = (None, None)  # (graph task, gradients) a backward left for the anchor
+
+
+class Anchor:
+    def __init__(self, params: list[torch.nn.Parameter], positions: list[int]):
+        self.positions = positions  # of its parameters in the step's trainable list
+        self.device = params[0].device
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.box = _Box(len(params))
+        with torch.enable_grad():
+            self.tensor = _Anchor.apply(self.box, *params)
+        self.zero = torch.zeros_like(self.tensor)
+
+    def deliver(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """Leave this device's gradients for the anchor, if this backward runs it (not for autograd.grad(out, x)),
+        added to what an earlier pipeline call of the same backward left."""
+        if not torch._C._will_engine_execute_node(self.tensor.grad_fn):
+            return None
+        task, mine = torch._C._current_graph_task_id(), [grads[k] for k in self.positions]
+        if self.box.left[0] == task:
+            mine = [a if b is None else b if a is None else a + b for a, b in zip(self.box.left[1], mine)]
+        self.box.left = (task, mine)
+        return self.zero
 
 
 class _Run:
@@ -123,7 +169,7 @@ class _Run:
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
-            r.start_step()
+            r.start_step(self.state)
         pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
         # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
         # its tasks, with the same numerics and no hand-off between threads.
@@ -134,8 +180,12 @@ class _Run:
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters: the autograd Function's inputs, in this order."""
+        """The trainable parameters, in the order of the step's gradient list."""
         return self.compiled.trainable()
+
+    @functools.cached_property
+    def anchors(self) -> list[Anchor]:
+        return self.pipe.anchors(self.params)
 
     def _runner(self, task: Task) -> StageRunner:
         return self.programs[task.micro_batch].runners[task.stage]
@@ -215,13 +265,14 @@ class _Run:
     def _param_grads(self) -> list[torch.Tensor | None]:
         """Per parameter: the stages' sums added in stage order (tied weights: one sum)."""
         runners = self.runners_all
-        if len(runners) == 1 and not runners[0].replicas and len(runners[0].trainable) == len(self.params) and \
-                all(a is b for a, b in zip(runners[0].trainable, self.params)):  # one stage: its gradients as they are
-            grads, runners[0].param_grads = runners[0].param_grads, []
+        one = self.state.stages[id(runners[0])]
+        if len(runners) == 1 and not runners[0].replicas and len(one.trainable) == len(self.params) and \
+                all(a is b for a, b in zip(one.trainable, self.params)):  # one stage: its gradients as they are
+            grads, one.param_grads = one.param_grads, []
             return grads or [None] * len(self.params)
         totals: dict[int, torch.Tensor] = {}
         for runner in runners:
-            for p, g in runner.take_grads():
+            for p, g in runner.take_grads(self.state):
                 g = g.to(p.device) if runner.replicas and g.device != p.device else g
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
         return [totals.get(id(p)) for p in self.params]
@@ -257,6 +308,8 @@ class Pipeline(torch.nn.Module):
         self._current: Compiled | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._orders: dict[tuple, list[list[Task]]] = {}
+        self._anchors: list[Anchor] = []
+        self._anchor_key: tuple | None = None
         self.timeline = Timeline(self.schedule)  # of the last step; printable
         self.memory = MemoryReport.empty(len(devices) * virtual_stages, checkpoint)  # of the last step, with track_memory=True
         cpu_workers = sum(1 for d in devices if d.type == "cpu")
@@ -305,6 +358,17 @@ class Pipeline(torch.nn.Module):
                 self._orders[key] = [[t for t in schedule.device_order(d) if t.kind in kinds]
                                      for d in range(schedule.n_devices)]
         return self._orders[key]
+
+    def anchors(self, params: list[torch.nn.Parameter]) -> list[Anchor]:
+        """One Anchor per device the parameters are on, rebuilt when the parameters or that device's stream change."""
+        key = tuple(map(id, params))
+        if self._anchor_key != key or any(a.stream is not None and a.stream != torch.cuda.current_stream(a.device)
+                                           for a in self._anchors):
+            devices = list(dict.fromkeys(p.device for p in params))
+            self._anchors = [Anchor([p for p in params if p.device == d], [k for k, p in enumerate(params) if p.device == d])
+                             for d in devices]
+            self._anchor_key = key
+        return self._anchors
 
     def save_code(self, directory) -> list[str]:
         """Write one ``stage_<i>.py`` per stage; returns the paths."""
@@ -377,7 +441,7 @@ class Pipeline(torch.nn.Module):
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
         run = _Run(self, compiled, flat, sizes, training)
-        outputs = _PipelineFunction.apply(run, *flat, *run.params) if training else run.forward()
+        outputs = _PipelineFunction.apply(run, *flat, *[a.tensor for a in run.anchors]) if training else run.forward()
         return compiled.traced.rebuild_output(list(outputs))
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:

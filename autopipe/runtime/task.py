@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
@@ -78,19 +76,23 @@ class Ambient:
 
     @classmethod
     def capture(cls, devices=()) -> "Ambient":
+        """Each query is a C call: a step reads them all, with its caches cold from the last step's kernels."""
         reason = None
         if torch._C._autograd._profiler_enabled():
             reason = "a profiler is active"
-        elif _get_current_function_mode_stack() or _get_current_dispatch_mode_stack():
+        elif torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
             reason = "a TorchFunctionMode/TorchDispatchMode is active"
-        return cls(
-            autocast={d: (True, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)},
-            autocast_cache=torch.is_autocast_cache_enabled(),
-            inference=torch.is_inference_mode_enabled(),
-            saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
-            inline_reason=reason,
-            streams={d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"},
-        )
+        autocast = {d: (True, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
+            if torch._C._is_any_autocast_enabled() else {}
+        return cls(autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled(),
+                   inference=torch.is_inference_mode_enabled(),
+                   saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+                   inline_reason=reason, streams={d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"})
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to re-enter around a task."""
+        return not (self.autocast or self.saved_tensors_hooks)
 
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
         enabled, dtype = self.autocast.get(device.type, (False, None))
@@ -113,6 +115,7 @@ class StepState:
     timeline: Timeline
     memory: MemoryReport | None = None        # saved-bytes accounting, only when asked (it hooks every save)
     deferred: DeferredStatistics | None = None
+    stages: dict[int, "StageStep"] = field(default_factory=dict)  # by id of the StageRunner
 
     @classmethod
     def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
@@ -171,6 +174,19 @@ class _Saved:
 
 
 @dataclass
+class StageStep:
+    """A runner's part of one step. The step's, not the runner's: a second pipeline call may run before the first
+    one's backward (two views of a batch, one loss)."""
+
+    trainable: list[torch.nn.Parameter]   # the parameters with requires_grad as the step started
+    wrt_params: list[torch.Tensor]        # what autograd differentiates for them: each, its replica or a hook-free alias
+    alias_slots: list
+    saved: dict[int, _Saved] = field(default_factory=dict)
+    param_grads: list[torch.Tensor | None] = field(default_factory=list)  # per trainable parameter, once a backward ran
+    owned: list[bool] = field(default_factory=list)  # param_grads[k] is a sum made here, safe to add to in place
+
+
+@dataclass
 class StageRunner:
     """Runs one stage's tasks (see module docstring); one per stage and compiled program."""
 
@@ -202,35 +218,30 @@ class StageRunner:
                 elif isinstance(t, torch.nn.Parameter):
                     self._slots_of.setdefault(id(t), []).append((table, name))
         self._wrt = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
-        self._alias_slots: list = []
         self.param_ids = {p.untyped_storage().data_ptr() for p in self._wrt}
-        self.saved: dict[int, _Saved] = {}
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
-        self.trainable: list[torch.nn.Parameter] = []  # this step's params with requires_grad, and their stand-ins:
-        self.wrt_params: list[torch.Tensor] = []
-        self.param_grads: list[torch.Tensor | None] = []  # their gradients, once a backward ran
-        self._owned: list[bool] = []  # param_grads[k] is a sum this runner made, safe to add to in place
 
     @property
     def index(self) -> int:
         return self.stage.index
 
-    def start_step(self) -> None:
+    def start_step(self, step: StepState) -> None:
         if self._replica_slots:
             with torch.no_grad():
                 for _, _, original, replica in self._replica_slots:
                     replica.copy_(original, non_blocking=True)
+        if not step.training:
+            step.stages[id(self)] = StageStep([], [], [])
+            return
         # A parameter with a gradient hook: the stage differentiates a hook-free alias (same storage), so the hook
         # runs once, on the step's whole gradient (the engine for pipe(x), accumulate_grads for pipe.step).
         hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of}
-        self._alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
-                             for table, name in self._slots_of[id(p)]]
+        alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
+                       for table, name in self._slots_of[id(p)]]
         wrt = [hooked.get(id(p), w) for p, w in zip(self.params, self._wrt)] if hooked else self._wrt
         trainable = [k for k, p in enumerate(self.params) if p.requires_grad]
-        self.trainable = [self.params[k] for k in trainable]
-        self.wrt_params = wrt if len(trainable) == len(wrt) else [wrt[k] for k in trainable]
-        self.saved.clear()
-        self.param_grads = []
+        step.stages[id(self)] = StageStep([self.params[k] for k in trainable],
+                                          wrt if len(trainable) == len(wrt) else [wrt[k] for k in trainable], alias_slots)
 
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
@@ -240,30 +251,31 @@ class StageRunner:
         inputs = [self._leaf(x, g and step.training, step) for x, g in zip(inputs, needs_grad)]
         state = [b.clone() for b in self.state] if private and self.state and not keep else None
         copies = [b.clone() for b in self.state] if private else []
-        with step.timeline.span(self.index, i, "forward", self.stage.device), self._own_state(copies):
-            outputs = self._run(step, i, inputs, first=True)
         if copies:
+            with self._own_state(copies):
+                outputs = self._run(step, i, inputs, first=True)
             with torch.no_grad():
                 for buffer, copy in zip(self.state, copies):
                     buffer.copy_(copy)
+        else:
+            outputs = self._run(step, i, inputs, first=True)
         if step.training:
-            self.saved[i] = _Saved(inputs, outputs if keep else None, state)
+            step.stages[id(self)].saved[i] = _Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
 
     def rematerialise(self, step: StepState, i: int) -> None:
         """The forward again, from the saved inputs: before the gradient arrives, off the critical path."""
-        saved = self.saved[i]
+        saved = step.stages[id(self)].saved[i]
         if saved.outputs is None:
-            with step.timeline.span(self.index, i, "recompute", self.stage.device):
-                own = {id(b) for b in self.state} if saved.state is not None else set()
-                snapshot = [(b, b.clone()) for b in self.stage.running_buffers if id(b) not in own] \
-                    if self.stage.training else []
-                with self._own_state(saved.state or []):
-                    saved.outputs = self._run(step, i, saved.inputs, first=False)
-                # Running statistics move once per micro-batch, in the forward. Through .data: the
-                # recompute's graph saved these buffers, and a tracked write would fail its backward.
-                for buffer, before in snapshot:
-                    buffer.data.copy_(before)
+            own = {id(b) for b in self.state} if saved.state is not None else set()
+            snapshot = [(b, b.clone()) for b in self.stage.running_buffers if id(b) not in own] \
+                if self.stage.training else []
+            with self._own_state(saved.state or []):
+                saved.outputs = self._run(step, i, saved.inputs, first=False)
+            # Running statistics move once per micro-batch, in the forward. Through .data: the
+            # recompute's graph saved these buffers, and a tracked write would fail its backward.
+            for buffer, before in snapshot:
+                buffer.data.copy_(before)
 
     def _leaf(self, x: Any, needs_grad: bool, step: StepState) -> Any:
         """A stage input as a leaf of the task's own autograd graph, on the stage's device (a transport delivers
@@ -291,18 +303,21 @@ class StageRunner:
 
     def _run(self, step: StepState, i: int, inputs: list, first: bool) -> list:
         stage, a = self.stage, step.ambient
+        begun = step.timeline.begin(stage.device)
+        kwargs = {}
+        if self.generator is not None:
+            self.generator.manual_seed(task_seed(step.seed, stage.index, i))
+            kwargs["generator"] = self.generator
+        if a.plain and not (a.inference or self._replica_slots or step.stages[id(self)].alias_slots or step.deferred or step.memory) \
+                and torch.is_grad_enabled() == step.training:  # nothing to enter: a task's least work
+            outputs = stage(*inputs, **kwargs)
+            step.timeline.end(begun, stage.index, i, "forward" if first else "recompute", stage.device)
+            return list(outputs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(step.training))
-            counter = None
-            if a.autocast or a.saved_tensors_hooks or a.inference or self._replica_slots or self._alias_slots \
-                    or step.deferred \
-                    or step.memory:  # else nothing to enter: ~60 us a task less
-                counter = self._enter(stack, step, first)
-            if self.generator is not None:
-                self.generator.manual_seed(task_seed(step.seed, stage.index, i))
-                outputs = stage(*inputs, generator=self.generator)
-            else:
-                outputs = stage(*inputs)
+            counter = self._enter(stack, step, first)
+            outputs = stage(*inputs, **kwargs)
+        step.timeline.end(begun, stage.index, i, "forward" if first else "recompute", stage.device)
         if counter is not None:
             if first:
                 kept = counter.total if not step.recomputes(i) else tensor_bytes(inputs)
@@ -317,8 +332,8 @@ class StageRunner:
         if step.ambient.inference and not step.training:
             stack.enter_context(torch.inference_mode())
         step.ambient.enter(stack, stage.device)
-        if self._replica_slots or self._alias_slots:
-            stack.enter_context(_swapped(self._replica_slots + self._alias_slots))
+        if self._replica_slots or step.stages[id(self)].alias_slots:
+            stack.enter_context(_swapped(self._replica_slots + step.stages[id(self)].alias_slots))
         if step.deferred is not None and stage.running_buffers:
             stack.enter_context(DeferredBatchNorm(step.deferred, accumulate=first))
         if step.memory is not None and step.training:
@@ -328,9 +343,10 @@ class StageRunner:
     # -- backward -----------------------------------------------------------------
     def backward(self, step: StepState, i: int, output_grads: list) -> list:
         """Gradients of the stage's inputs for micro-batch ``i`` (None where there is none);
-        parameter gradients are added to ``self.param_grads`` in the order tasks run."""
+        parameter gradients are added to the step's, in the order tasks run."""
         self.rematerialise(step, i)
-        saved = self.saved.pop(i)
+        mine = step.stages[id(self)]
+        saved = mine.saved.pop(i)
         roots, grads = [], []
         for out, g in zip(saved.outputs, output_grads):
             if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
@@ -339,31 +355,35 @@ class StageRunner:
                                                                      step.ambient.streams))
         wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         input_grads: list = [None] * len(saved.inputs)
-        if not roots or not (wrt_inputs or self.wrt_params):
+        if not roots or not (wrt_inputs or mine.wrt_params):
             return input_grads
-        with step.timeline.span(self.index, i, "backward", self.stage.device), contextlib.ExitStack() as stack:
+        begun = step.timeline.begin(self.stage.device)
+        with contextlib.ExitStack() as stack:
             step.ambient.enter(stack, self.stage.device)
-            got = torch.autograd.grad(roots, [saved.inputs[k] for k in wrt_inputs] + self.wrt_params, grads,
+            got = torch.autograd.grad(roots, [saved.inputs[k] for k in wrt_inputs] + mine.wrt_params, grads,
                                       allow_unused=True)
+        step.timeline.end(begun, self.index, i, "backward", self.stage.device)
         for k, g in zip(wrt_inputs, got):
             input_grads[k] = g
-        self._add_param_grads(got[len(wrt_inputs):])
+        _add_param_grads(mine, got[len(wrt_inputs):])
         return input_grads
 
-    def _add_param_grads(self, grads: tuple) -> None:
-        if not self.param_grads:  # the step's first backward: its gradients as they are
-            self.param_grads, self._owned = list(grads), [False] * len(grads)
-            return
-        for k, g in enumerate(grads):
-            previous = self.param_grads[k]
-            if g is None or previous is None:
-                self.param_grads[k] = previous if g is None else g
-            elif self._owned[k]:
-                previous.add_(g)
-            else:
-                self.param_grads[k], self._owned[k] = previous + g, True
-
-    def take_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def take_grads(self, step: StepState) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The step's (parameter, gradient) pairs, forgotten here: AccumulateGrad then takes each without a copy."""
-        grads, self.param_grads = self.param_grads, []
-        return [(p, g) for p, g in zip(self.trainable, grads) if g is not None]
+        mine = step.stages[id(self)]
+        grads, mine.param_grads = mine.param_grads, []
+        return [(p, g) for p, g in zip(mine.trainable, grads) if g is not None]
+
+
+def _add_param_grads(mine: StageStep, grads: tuple) -> None:
+    if not mine.param_grads:  # the step's first backward: its gradients as they are
+        mine.param_grads, mine.owned = list(grads), [False] * len(grads)
+        return
+    for k, g in enumerate(grads):
+        previous = mine.param_grads[k]
+        if g is None or previous is None:
+            mine.param_grads[k] = previous if g is None else g
+        elif mine.owned[k]:
+            previous.add_(g)
+        else:
+            mine.param_grads[k], mine.owned[k] = previous + g, True

@@ -2,12 +2,11 @@
 measured bubble beside the schedule's, busy time per device, and a Chrome trace."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -30,22 +29,22 @@ class Timeline:
     _events: list[Event] = field(default_factory=list)  # appended by every worker: list.append is atomic
     _cuda: list[tuple] = field(default_factory=list)    # CUDA spans: events read when the timeline is
 
-    @contextlib.contextmanager
-    def span(self, stage: int, micro_batch: int, kind: str, device=None) -> Iterator[None]:
-        """Host time around the task; on a GPU, CUDA events on the current stream (the host only enqueues)."""
-        start = time.perf_counter()
-        marks = None
-        if device is not None and device.type == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-            marks[0].record()
-        try:
-            yield
-        finally:
-            if marks is None:
-                self._events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
-            else:
-                marks[1].record()
-                self._cuda.append((device, start, stage, micro_batch, kind, *marks))
+    def begin(self, device: torch.device) -> tuple:
+        """A task's start: the host clock; on a GPU also a CUDA event on the current stream (the host only enqueues)."""
+        if device.type != "cuda":
+            return time.perf_counter(), None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return time.perf_counter(), mark
+
+    def end(self, begun: tuple, stage: int, micro_batch: int, kind: str, device: torch.device) -> None:
+        start, mark = begun
+        if mark is None:
+            self._events.append(Event(stage, micro_batch, kind, start, time.perf_counter()))
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._cuda.append((device, start, stage, micro_batch, kind, mark, end))
 
     @property
     def events(self) -> list[Event]:
