@@ -60,9 +60,6 @@ class Compiled:
             self._parameters = cached = (len(self.programs), list(unique.values()))
         return cached[1]
 
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.parameters if p.requires_grad]
-
     @property
     def uses_rng(self) -> bool:
         return any(s.uses_rng for program in self.programs.values() for s in program.stages)
@@ -130,6 +127,7 @@ class Anchor:
         self.device = params[0].device
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.box = _Box(len(params))
+        self.every = positions == list(range(len(positions)))  # all the step's parameters, in order: no reordering
         with torch.enable_grad():
             self.tensor = _Anchor.apply(self.box, *params)
         self.zero = torch.zeros_like(self.tensor)
@@ -139,7 +137,7 @@ class Anchor:
         added to what an earlier pipeline call of the same backward left."""
         if not torch._C._will_engine_execute_node(self.tensor.grad_fn):
             return None
-        task, mine = torch._C._current_graph_task_id(), [grads[k] for k in self.positions]
+        task, mine = torch._C._current_graph_task_id(), grads if self.every else [grads[k] for k in self.positions]
         if self.box.left[0] == task:
             mine = [a if b is None else b if a is None else a + b for a, b in zip(self.box.left[1], mine)]
         self.box.left = (task, mine)
@@ -180,8 +178,10 @@ class _Run:
 
     @functools.cached_property
     def params(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters, in the order of the step's gradient list."""
-        return self.compiled.trainable()
+        """The trainable parameters, each once, in stage order: the order of the step's gradient list."""
+        if len(self.runners_all) == 1:
+            return self.state.stages[id(self.runners_all[0])].trainable
+        return list({id(p): p for r in self.runners_all for p in self.state.stages[id(r)].trainable}.values())
 
     @functools.cached_property
     def anchors(self) -> list[Anchor]:
@@ -265,9 +265,8 @@ class _Run:
     def _param_grads(self) -> list[torch.Tensor | None]:
         """Per parameter: the stages' sums added in stage order (tied weights: one sum)."""
         runners = self.runners_all
-        one = self.state.stages[id(runners[0])]
-        if len(runners) == 1 and not runners[0].replicas and len(one.trainable) == len(self.params) and \
-                all(a is b for a, b in zip(one.trainable, self.params)):  # one stage: its gradients as they are
+        if len(runners) == 1 and not runners[0].replicas:  # one stage: its gradients as they are, in params' order
+            one = self.state.stages[id(runners[0])]
             grads, one.param_grads = one.param_grads, []
             return grads or [None] * len(self.params)
         totals: dict[int, torch.Tensor] = {}

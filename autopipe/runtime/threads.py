@@ -1,4 +1,4 @@
-"""The in-process transport: one worker thread per device, values handed over as Futures in a mailbox.
+"""The in-process transport: one worker thread per device, values handed over in a mailbox of set-once slots.
 
 A CPU worker sets its own intra-op thread count (ATen keeps it per thread), so K workers do not
 oversubscribe the cores. A gradient read by several stages is summed in a fixed order: consumers by
@@ -75,58 +75,88 @@ class Worker:
         return self._thread is not None and self._thread.is_alive()
 
 
+class _Slot:
+    """A value set once and read by any thread; a C lock is the latch (a Future runs ~40 lines of Python a use,
+    which a small-op step feels: docs/architecture.md, "Runtime")."""
+
+    __slots__ = ("value", "error", "done", "latch")
+
+    def __init__(self):
+        self.value = self.error = None
+        self.done = False
+        self.latch = threading.Lock()
+        self.latch.acquire()  # released once, by whoever sets the slot
+
+    def get(self):
+        if not self.done:
+            with self.latch:  # waits until set; each reader passes the latch on
+                pass
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class Mailbox(Transport):
     """One step's values and gradients, keyed by (micro-batch, name); plans may differ per micro-batch
     (a model traced at a static micro-batch size has one program per size)."""
 
     def __init__(self, programs: Sequence[Any], inputs: list[list[torch.Tensor]], input_grad: list[bool]):
         self.programs = programs                   # per micro-batch: the Program (plan + stages) it runs
-        self.values: dict[tuple[int, str], Future] = {}
+        self.values: dict[tuple[int, str], _Slot] = {}
         self.needs_grad: dict[tuple[int, str], bool] = {}
         self.grad_parts: dict[tuple[int, str], dict[int, torch.Tensor | None]] = {}
-        self.grads: dict[tuple[int, str], Future] = {}
+        self.grads: dict[tuple[int, str], _Slot] = {}
         self.lock = threading.Lock()
         self.aborted = False
         for i, row in enumerate(inputs):
             for name, value, grad in zip(programs[i].plan.graph_inputs, row, input_grad):
-                self.values[(i, name)] = future = Future()
-                future.set_result(value)
+                self._set(self.values, (i, name), value)
                 self.needs_grad[(i, name)] = grad and differentiable(value)
 
-    def _future(self, table: dict, key) -> Future:
+    def _slot(self, table: dict, key) -> _Slot:
         with self.lock:
-            future = table.get(key)
-            if future is None:
-                future = table[key] = Future()
+            slot = table.get(key)
+            if slot is None:
+                slot = table[key] = _Slot()
                 if self.aborted:
-                    future.set_exception(StageFailure("another task of this step failed"))
-            return future
+                    slot.error, slot.done = StageFailure("another task of this step failed"), True
+                    slot.latch.release()
+            return slot
+
+    def _set(self, table: dict, key, value: Any = None, error: BaseException | None = None) -> None:
+        slot = self._slot(table, key)
+        with self.lock:  # the first value (or the abort's error) stays
+            if slot.done:
+                return
+            slot.value, slot.error, slot.done = value, error, True
+        slot.latch.release()
 
     # -- forward -------------------------------------------------------------
     def inputs(self, stage: int, i: int):
         names = self.programs[i].stages[stage].input_names
-        values = [self._future(self.values, (i, n)).result() for n in names]
+        values = [self._slot(self.values, (i, n)).get() for n in names]
         return values, [self.needs_grad.get((i, n), False) for n in names]
 
     def send_outputs(self, stage: int, i: int, outputs: list) -> None:
         for name, value in zip(self.programs[i].stages[stage].output_names, outputs):
             self.needs_grad[(i, name)] = differentiable(value)
-            self._future(self.values, (i, name)).set_result(value)
+            self._set(self.values, (i, name), value)
 
     def value(self, i: int, name: str):
-        return self._future(self.values, (i, name)).result()
+        return self._slot(self.values, (i, name)).get()
 
     def finals(self, i: int) -> list:
         return [self.value(i, n) for n in self.programs[i].plan.graph_outputs]
 
     # -- backward ------------------------------------------------------------
     def output_grads(self, stage: int, i: int) -> list:
-        return [self._future(self.grads, (i, n)).result() if self.needs_grad.get((i, n)) else None
+        return [self._slot(self.grads, (i, n)).get() if self.needs_grad.get((i, n)) else None
                 for n in self.programs[i].stages[stage].output_names]
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
         for name, g in zip(self.programs[i].stages[stage].input_names, grads):
-            self.contribute(i, name, stage, g)
+            if self.needs_grad.get((i, name)):  # else no one waits for it
+                self.contribute(i, name, stage, g)
 
     def send_final_grads(self, i: int, grads: list) -> None:
         summed: dict[str, torch.Tensor | None] = {}  # a value the model returns twice gets one gradient
@@ -147,25 +177,21 @@ class Mailbox(Transport):
         for _, g in sorted(parts.items(), key=lambda kv: kv[0]):
             if g is not None:
                 total = g if total is None else total + (g if g.device == total.device else g.to(total.device))
-        self._future(self.grads, (i, name)).set_result(total)
+        self._set(self.grads, (i, name), total)
 
     def grad(self, i: int, name: str) -> torch.Tensor | None:
         """The summed gradient of a graph input (after the backward phase)."""
-        future = self.grads.get((i, name))
-        return future.result() if future is not None and future.done() else None
+        slot = self.grads.get((i, name))
+        return slot.value if slot is not None and slot.done else None
 
     # -- failure ----------------------------------------------------------------
     def abort(self) -> None:
         """Wake every task waiting on a value that will never come."""
         with self.lock:
             self.aborted = True
-            pending = [f for table in (self.values, self.grads) for f in table.values() if not f.done()]
-        for f in pending:
-            if not f.done():
-                try:
-                    f.set_exception(StageFailure("another task of this step failed"))
-                except Exception:  # resolved meanwhile
-                    pass
+            pending = [(table, key) for table in (self.values, self.grads) for key, slot in table.items() if not slot.done]
+        for table, key in pending:
+            self._set(table, key, error=StageFailure("another task of this step failed"))
 
 
 def run_on_workers(workers: Sequence[Worker], jobs: Sequence[Callable[[], None]], mailbox: Mailbox) -> None:
