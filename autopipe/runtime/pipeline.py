@@ -6,7 +6,6 @@ gradients summed in a fixed order (docs/architecture.md, "Runtime": why not one 
 """
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -82,7 +81,8 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: "_Run", *inputs_and_anchors: torch.Tensor):
-        outputs = run.forward()
+        with torch.enable_grad():  # once here, not in every task (a Function's forward runs without grad)
+            outputs = run.forward()
         ctx.run = run
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
         return tuple(outputs)
@@ -150,6 +150,7 @@ class _Run:
     def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int], training: bool):
         self.pipe = pipe
         self.compiled = compiled
+        self.plan = compiled.plan
         self.batch = flat[0].shape[0]
         self.sizes = sizes
         self.chunks = len(self.sizes)
@@ -175,17 +176,14 @@ class _Run:
         alone = len(workers) == 1 and workers[0].device.type == "cpu" and \
             workers[0].intra_op_threads == torch.get_num_threads()
         self.inline = alone or bool(self.state.ambient.inline_reason)
+        self.params = self._trainable() if training else []
+        self.anchors = pipe.anchors(self.params) if training else []
 
-    @functools.cached_property
-    def params(self) -> list[torch.nn.Parameter]:
+    def _trainable(self) -> list[torch.nn.Parameter]:
         """The trainable parameters, each once, in stage order: the order of the step's gradient list."""
         if len(self.runners_all) == 1:
             return self.state.stages[id(self.runners_all[0])].trainable
         return list({id(p): p for r in self.runners_all for p in self.state.stages[id(r)].trainable}.values())
-
-    @functools.cached_property
-    def anchors(self) -> list[Anchor]:
-        return self.pipe.anchors(self.params)
 
     def _runner(self, task: Task) -> StageRunner:
         return self.programs[task.micro_batch].runners[task.stage]
@@ -209,16 +207,16 @@ class _Run:
         self._execute(self.schedule, "F")
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        tensors = self.compiled.plan.tensors
+        tensors = self.plan.tensors
         return [microbatch.merge(self._parts(name), self.sizes, tensors.get(name), f"the model's output {name}")
-                for name in self.compiled.plan.graph_outputs]
+                for name in self.plan.graph_outputs]
 
     def _parts(self, name: str) -> list[torch.Tensor]:
         return [self.mailbox.value(i, name) for i in range(self.chunks)]
 
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.compiled.plan.tensors.get(name))
-                 for name, grad in zip(self.compiled.plan.graph_outputs, grad_outputs)]
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name))
+                 for name, grad in zip(self.plan.graph_outputs, grad_outputs)]
         for i in range(self.chunks):
             self.mailbox.send_final_grads(i, [p[i] for p in parts])
         # The autograd engine runs CUDA backward on one thread per device: issuing each stage's

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from typing import Any, Callable
 
 import torch
@@ -235,13 +237,15 @@ class StageRunner:
             return
         # A parameter with a gradient hook: the stage differentiates a hook-free alias (same storage), so the hook
         # runs once, on the step's whole gradient (the engine for pipe(x), accumulate_grads for pipe.step).
-        hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of}
+        # (map/compress: every parameter is looked at every step, in C loops)
+        hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of} \
+            if any(map(attrgetter("_backward_hooks"), self.params)) else {}
         alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
-                       for table, name in self._slots_of[id(p)]]
+                       for table, name in self._slots_of[id(p)]] if hooked else []
         wrt = [hooked.get(id(p), w) for p, w in zip(self.params, self._wrt)] if hooked else self._wrt
-        trainable = [k for k, p in enumerate(self.params) if p.requires_grad]
-        step.stages[id(self)] = StageStep([self.params[k] for k in trainable],
-                                          wrt if len(trainable) == len(wrt) else [wrt[k] for k in trainable], alias_slots)
+        flags = list(map(attrgetter("requires_grad"), self.params))
+        step.stages[id(self)] = StageStep(self.params, wrt, alias_slots) if all(flags) else \
+            StageStep(list(compress(self.params, flags)), list(compress(wrt, flags)), alias_slots)
 
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
