@@ -19,7 +19,8 @@ from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
-from autopipe.runtime.pipeline import Compiled, Pipeline, Program
+from autopipe.runtime.pipeline import Pipeline
+from autopipe.runtime.step import Compiled, Program
 from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
 from autopipe.runtime.task import CHECKPOINT_MODES
 

@@ -19,7 +19,7 @@ from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
 from autopipe.passes.trace import _register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
-from autopipe.runtime.pipeline import model_loss
+from autopipe.runtime.step import model_loss
 
 STRUCTURE_TOLERANCE = 1e-10          # float64: a correct pipeline is at ~1e-15
 OWN_DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}

@@ -187,7 +187,7 @@ def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():
 
 
 def test_gradients_reach_parameters_only_through_the_backward_that_asks_for_them():
-    """The step's parameter gradients reach the engine through a persistent node per device (pipeline.py, _Anchor):
+    """The step's parameter gradients reach the engine through a persistent node per device (step.py, _Anchor):
     a backward that does not run it leaves nothing behind, two calls in one loss add up, a frozen parameter gets none."""
     torch.manual_seed(0)
     model = MLP().double()

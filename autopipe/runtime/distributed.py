@@ -17,7 +17,8 @@ import torch.distributed as dist
 from . import microbatch
 from .executor import Loss
 from .p2p import P2PTransport, PipelineError
-from .pipeline import Pipeline, model_loss
+from .pipeline import Pipeline
+from .step import model_loss
 from .schedule import Schedule
 from .task import StageRunner, StepState, accumulate_grads
 from .wire import WireSpec

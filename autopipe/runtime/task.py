@@ -206,7 +206,7 @@ class StageRunner:
         self._state_slots = [(m._buffers, name, where[id(b)]) for m in self.stage.modules()
                              for name, b in m._buffers.items() if id(b) in where]
         # a tied weight (or shared buffer) placed on another stage's device: a replica here, refreshed every step;
-        # its gradient goes to the user's Parameter (pipeline.py sums the stages' gradients on its device)
+        # its gradient goes to the user's Parameter (step.py sums the stages' gradients on its device)
         self.replicas: dict[int, torch.Tensor] = {}
         self._replica_slots = []
         self._slots_of: dict[int, list] = {}  # a parameter's places in the stage's module tables

@@ -1,0 +1,278 @@
+"""A step's execution in one process: the compiled programs, the autograd Function whose backward drives the
+stages' backward, the anchors that hand parameter gradients to the engine, and one mini-batch's run through them.
+The nn.Module a user holds is pipeline.py's Pipeline (docs/architecture.md, "Runtime": why not one graph across
+stages)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from . import microbatch
+from .executor import Loss, run_tasks
+from .schedule import Schedule, Task
+from .task import StageRunner, StepState, accumulate_grads
+from .threads import Mailbox, run_on_workers
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+@dataclass
+class Program:
+    """One traced graph, planned and generated: what a micro-batch runs."""
+
+    traced: Any                 # passes.trace.TracedModel
+    plan: Any                   # autopipe.plan.Plan
+    stages: list                # passes.codegen.Stage
+    runners: list[StageRunner] = field(init=False)
+    readers: dict[str, int] = field(init=False)  # how many gradients a value gets: its consumer stages, the output
+
+    def __post_init__(self):
+        self.runners = [StageRunner(s) for s in self.stages]
+        self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
+
+
+@dataclass
+class Compiled:
+    """Everything the runtime needs for one input signature; built by autopipe.compile.
+
+    ``programs`` maps a micro-batch size to its Program; a model traced with a dynamic
+    batch has one, under None. A model that specialises on the batch size is traced once
+    per micro-batch size it runs at (passes/trace.py, ``static_batch``)."""
+
+    programs: dict[int | None, Program]
+    example_dtypes: list[torch.dtype]
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter a stage holds, once, in stage order (cached: walking the model per call costs
+        ~0.5 ms on a small GPT)."""
+        cached = getattr(self, "_parameters", None)
+        if cached is None or cached[0] != len(self.programs):  # programs grow for new static sizes
+            unique = {id(p): p for program in self.programs.values() for r in program.runners for p in r.params}
+            self._parameters = cached = (len(self.programs), list(unique.values()))
+        return cached[1]
+
+    @property
+    def uses_rng(self) -> bool:
+        return any(s.uses_rng for program in self.programs.values() for s in program.stages)
+
+    main = property(lambda self: next(iter(self.programs.values())), doc="The first Program (the only one, mostly).")
+    traced = property(lambda self: self.main.traced)
+    plan = property(lambda self: self.main.plan)
+    stages = property(lambda self: self.main.stages)
+
+    def program(self, size: int) -> Program:
+        return self.programs.get(size) or self.programs[None]
+
+    def covers(self, sizes: Sequence[int]) -> bool:
+        return None in self.programs or all(s in self.programs for s in sizes)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """The pipeline as one autograd node: its backward drives the stages' backward. Its inputs are the call's
+    tensors and one anchor per device (_Anchor), which hands the parameters' gradients on."""
+
+    @staticmethod
+    def forward(ctx, run: "_Run", *inputs_and_anchors: torch.Tensor):
+        with torch.enable_grad():  # once here, not in every task (a Function's forward runs without grad)
+            outputs = run.forward()
+        ctx.run = run
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        run = ctx.run
+        if run is None:
+            raise RuntimeError("the pipeline's backward can run once per forward; call the pipeline again "
+                               "(retain_graph=True is not supported)")
+        ctx.run = None
+        input_grads, param_grads = run.backward(grad_outputs)
+        return (None, *input_grads, *[anchor.deliver(param_grads) for anchor in run.anchors])
+
+
+class _Anchor(torch.autograd.Function):
+    """A persistent autograd node whose inputs are one device's trainable parameters, and whose output feeds every
+    step's _PipelineFunction. A step's backward leaves the gradients in its box for the engine to take, tagged with
+    its graph task: parameters made inputs of _PipelineFunction instead would cost the engine ~2 us each, every step.
+    Built once per parameter list and current stream (the stream the engine orders the gradients on)."""
+
+    @staticmethod
+    def forward(ctx, box: "_Box", *params: torch.Tensor):
+        ctx.box = box  # not the Anchor: its tensor holds this node, and the cycle would keep the parameters alive
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        (task, grads), ctx.box.left = ctx.box.left, (None, None)
+        return (None, *(grads if task == torch._C._current_graph_task_id() else [None] * ctx.box.count))
+
+
+@dataclass
+class _Box:
+    count: int
+    left: tuple = (None, None)  # (graph task, gradients) a backward left for the anchor
+
+
+class Anchor:
+    def __init__(self, params: list[torch.nn.Parameter], positions: list[int]):
+        self.positions = positions  # of its parameters in the step's trainable list
+        self.device = params[0].device
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.box = _Box(len(params))
+        self.every = positions == list(range(len(positions)))  # all the step's parameters, in order: no reordering
+        with torch.enable_grad():
+            self.tensor = _Anchor.apply(self.box, *params)
+        self.zero = torch.zeros_like(self.tensor)
+
+    def deliver(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """Leave this device's gradients for the anchor, if this backward runs it (not for autograd.grad(out, x)),
+        added to what an earlier pipeline call of the same backward left."""
+        if not torch._C._will_engine_execute_node(self.tensor.grad_fn):
+            return None
+        task, mine = torch._C._current_graph_task_id(), grads if self.every else [grads[k] for k in self.positions]
+        if self.box.left[0] == task:
+            mine = [a if b is None else b if a is None else a + b for a, b in zip(self.box.left[1], mine)]
+        self.box.left = (task, mine)
+        return self.zero
+
+
+class _Run:
+    """One mini-batch through the pipeline."""
+
+    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int], training: bool):
+        self.pipe = pipe
+        self.compiled = compiled
+        self.plan = compiled.plan
+        self.batch = flat[0].shape[0]
+        self.sizes = sizes
+        self.chunks = len(self.sizes)
+        self.programs = [compiled.program(size) for size in self.sizes]
+        self.flat = flat
+        self.training = training
+        self.schedule = pipe.schedule_for(self.chunks)
+        self.state = StepState.start(
+            training=training, random=pipe.model.training and compiled.uses_rng, checkpoint=pipe.checkpoint,
+            schedule=self.schedule if training else pipe.schedule_for(self.chunks, forward_only=True),
+            deferred_model=pipe.model if pipe.deferred_batch_norm else None, track_memory=pipe.track_memory,
+            devices=pipe.devices)
+        self.input_grad = [training and t.requires_grad for t in flat]
+        rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
+        self.mailbox = Mailbox(self.programs, rows, self.input_grad)
+        self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
+        for r in self.runners_all:
+            r.start_step(self.state)
+        pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
+        # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
+        # its tasks, with the same numerics and no hand-off between threads.
+        workers = pipe.workers
+        alone = len(workers) == 1 and workers[0].device.type == "cpu" and \
+            workers[0].intra_op_threads == torch.get_num_threads()
+        self.inline = alone or bool(self.state.ambient.inline_reason)
+        self.params = self._trainable() if training else []
+        self.anchors = pipe.anchors(self.params) if training else []
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters, each once, in stage order: the order of the step's gradient list."""
+        if len(self.runners_all) == 1:
+            return self.state.stages[id(self.runners_all[0])].trainable
+        return list({id(p): p for r in self.runners_all for p in self.state.stages[id(r)].trainable}.values())
+
+    def _runner(self, task: Task) -> StageRunner:
+        return self.programs[task.micro_batch].runners[task.stage]
+
+    def _execute(self, schedule: Schedule, kinds: str, loss: Loss | None = None, inline: bool = False) -> None:
+        state, mailbox = self.state, self.mailbox
+        if inline or self.inline:
+            run_tasks(self.pipe.orders(schedule, kinds, inline=True)[0], self._runner, mailbox, state, loss)
+            return
+        jobs = [lambda order=order: run_tasks(order, self._runner, mailbox, state, loss)
+                for order in self.pipe.orders(schedule, kinds)]
+        run_on_workers(self.pipe.workers, jobs, mailbox)
+
+    def _note_peaks(self) -> None:
+        """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
+        self.peaks_before = {s.device: torch.cuda.max_memory_allocated(s.device) for s in self.compiled.stages
+                             if s.device.type == "cuda" and self.state.memory is not None}
+
+    def forward(self) -> list[torch.Tensor]:
+        self._note_peaks()
+        self._execute(self.schedule, "F")
+        if self.state.deferred is not None:
+            self.state.deferred.commit()
+        tensors = self.plan.tensors
+        return [microbatch.merge(self._parts(name), self.sizes, tensors.get(name), f"the model's output {name}")
+                for name in self.plan.graph_outputs]
+
+    def _parts(self, name: str) -> list[torch.Tensor]:
+        return [self.mailbox.value(i, name) for i in range(self.chunks)]
+
+    def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name))
+                 for name, grad in zip(self.plan.graph_outputs, grad_outputs)]
+        for i in range(self.chunks):
+            self.mailbox.send_final_grads(i, [p[i] for p in parts])
+        # The autograd engine runs CUDA backward on one thread per device: issuing each stage's
+        # backward from the engine thread lets the devices overlap there, as in torchgpipe.
+        inline = any(s.device.type == "cuda" for s in self.compiled.stages)
+        self._execute(self.schedule, "B", inline=inline)
+        self._cuda_peaks()
+        return self._input_grads(), self._param_grads()
+
+    def _cuda_peaks(self) -> None:
+        for stage in self.compiled.stages:
+            if stage.device in self.peaks_before:
+                peak = torch.cuda.max_memory_allocated(stage.device)
+                if peak > self.peaks_before[stage.device]:
+                    report = self.state.memory.stages[stage.index]
+                    report.cuda_peak, report.device = peak, str(stage.device)
+
+    def step(self, targets: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
+        loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,
+                    weights=[s / self.batch for s in self.sizes], last_stage=self.compiled.plan.n_stages - 1)
+        self._note_peaks()
+        self._execute(self.schedule, "FB", loss=loss)
+        self._cuda_peaks()
+        if self.state.deferred is not None:
+            self.state.deferred.commit()
+        accumulate_grads(list(zip(self.params, self._param_grads())))
+        return loss.total
+
+    def _input_grads(self) -> list[torch.Tensor | None]:
+        grads = []
+        for k, (name, needed) in enumerate(zip(self.compiled.traced.input_names, self.input_grad)):
+            if not needed:
+                grads.append(None)
+                continue
+            parts = [self.mailbox.grad(i, self.programs[i].plan.graph_inputs[k]) for i in range(self.chunks)]
+            if all(p is None for p in parts):
+                grads.append(None)
+                continue
+            rows = microbatch.split([self.flat[k]], [name], self.sizes)  # each part on the input's device
+            parts = [torch.zeros_like(r[0]) if p is None else p.to(r[0].device) for p, r in zip(parts, rows)]
+            grads.append(sum(parts) if self.flat[k].dim() == 0 else torch.cat(parts))
+        return grads
+
+    def _param_grads(self) -> list[torch.Tensor | None]:
+        """Per parameter: the stages' sums added in stage order (tied weights: one sum)."""
+        runners = self.runners_all
+        if len(runners) == 1 and not runners[0].replicas:  # one stage: its gradients as they are, in params' order
+            one = self.state.stages[id(runners[0])]
+            grads, one.param_grads = one.param_grads, []
+            return grads or [None] * len(self.params)
+        totals: dict[int, torch.Tensor] = {}
+        for runner in runners:
+            for p, g in runner.take_grads(self.state):
+                g = g.to(p.device) if runner.replicas and g.device != p.device else g
+                totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
+        return [totals.get(id(p)) for p in self.params]
+
+
+def model_loss(output, target) -> torch.Tensor:
+    """The loss a model computes itself: the output, ``output.loss`` or ``output["loss"]``."""
+    loss = output["loss"] if isinstance(output, dict) and "loss" in output else getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError("pipe.step needs a scalar loss: pass loss_fn=..., or return a loss from the model")
+    return loss
