@@ -61,10 +61,7 @@ from autopipe.plan import Plan, human_bytes  # noqa: E402
 from benchmarks import _baselines  # noqa: E402
 from zoo import GPT, ViT, ResNet50, RonnebergerUNet  # noqa: E402
 
-try:  # the graph adapter; it moves into passes/partition.py
-    from autopipe.passes import _partition_graph as adapter  # noqa: E402
-except ImportError:  # pragma: no cover
-    from autopipe.passes import partition as adapter  # noqa: E402
+from autopipe.passes import partition as adapter  # noqa: E402  (the pass's graph adapter: node_view mirrors it)
 
 CHUNKS = 32
 RESULTS = Path(__file__).resolve().parent / "results" / "partition.txt"
@@ -123,7 +120,7 @@ class NodeView:
 
 
 def node_view(costed: CostedGraph, n_stages: int) -> NodeView:
-    """The first half of the partition pass (passes/_partition_graph.py ``partition``), kept in
+    """The first half of the partition pass (passes/partition.py ``partition``), kept in
     step with it: the same node set, weights and replicated nodes."""
     graph = costed.traced.graph_module.graph
     every = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
