@@ -204,6 +204,7 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
     if options.memory_cap is None:
         raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits the memory: give memory_cap (bytes per device)")
     progress = Progress(options.verbose)
+    args, kwargs = _on_model_device(model, args, kwargs)  # as run_passes: a GPU model's CPU example batch
     with preserved_global_state(), torch.inference_mode(False):
         traced, costed = _trace_and_cost(model, args, kwargs, options, None, progress)
         K = len(devices)
