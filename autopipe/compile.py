@@ -20,8 +20,8 @@ from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Pipeline
-from autopipe.runtime.step import Compiled, Program
 from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
+from autopipe.runtime.step import Compiled, Program
 from autopipe.runtime.task import CHECKPOINT_MODES
 
 BALANCE_MODES = ("flops", "params", "time")
