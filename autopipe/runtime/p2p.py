@@ -2,7 +2,6 @@
 posting order and failure reports: docs/architecture.md, "Under torchrun"; measured in notes/distributed.md."""
 from __future__ import annotations
 
-import functools
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -12,6 +11,7 @@ import torch.distributed as dist
 
 from .executor import Transport, run_tasks
 from .schedule import Schedule, Task
+from .task import sum_grads
 from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
@@ -24,12 +24,6 @@ class PipelineError(RuntimeError):
 
 class _CommError(RuntimeError):
     """A send, receive or barrier that failed, described from this rank (``_comm_error``)."""
-
-
-def _sum(parts: Sequence[Any]) -> Any:
-    """The sum of the parts that are not None, in the order given (bitwise reproducible); None if none."""
-    present = [g for g in parts if g is not None]
-    return functools.reduce(lambda a, b: a + b.to(a.device), present) if present else None
 
 
 class P2PTransport(Transport):
@@ -180,7 +174,7 @@ class P2PTransport(Transport):
     def send_final_grads(self, i: int, grads: list) -> None:
         self.final_grads[i] = {}
         for name, g in zip(self.spec.graph_outputs, grads):  # a value the model returns twice: one sum
-            self.final_grads[i][name] = _sum([self.final_grads[i].get(name), g])
+            self.final_grads[i][name] = sum_grads([self.final_grads[i].get(name), g])
 
     def output_grads(self, stage: int, i: int) -> list:
         """The loss's gradient (last stage), then each reader stage's, in stage order: a fixed sum."""
@@ -189,7 +183,7 @@ class P2PTransport(Transport):
         grads = []
         for name in self.stages[stage].output_names:
             readers = self._edges[name].dsts if name in self._edges else ()
-            grads.append(_sum([self.final_grads[i].get(name) if last else None]
+            grads.append(sum_grads([self.final_grads[i].get(name) if last else None]
                               + [self.grads[i].get((name, d)) for d in readers]))
         return grads
 
@@ -200,7 +194,7 @@ class P2PTransport(Transport):
             if not e.grad:
                 continue
             # on the last stage, a model output made earlier also has the loss's gradient
-            g = _sum([mine.get(e.name), self.final_grads[i].get(e.name) if last else None])
+            g = sum_grads([mine.get(e.name), self.final_grads[i].get(e.name) if last else None])
             if self._local(e.src):
                 self.grads[i][(e.name, stage)] = g
                 continue

@@ -181,7 +181,10 @@ class Pipeline(torch.nn.Module):
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
         run = _Run(self, compiled, flat, sizes, training)
-        outputs = _PipelineFunction.apply(run, *flat, *[a.tensor for a in run.anchors]) if training else run.forward()
+        if not training:
+            return compiled.traced.rebuild_output(run.forward())
+        run.anchors = self.anchors(run.params)
+        outputs = _PipelineFunction.apply(run, *flat, *[a.tensor for a in run.anchors])
         return compiled.traced.rebuild_output(list(outputs))
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:

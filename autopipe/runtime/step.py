@@ -12,7 +12,7 @@ import torch
 from . import microbatch
 from .executor import Loss, run_tasks
 from .schedule import Schedule, Task
-from .task import StageRunner, StepState, accumulate_grads
+from .task import StageRunner, StepState, accumulate_grads, sum_grads
 from .threads import Mailbox, run_on_workers
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class Anchor:
             return None
         task, mine = torch._C._current_graph_task_id(), grads if self.every else [grads[k] for k in self.positions]
         if self.box.left[0] == task:
-            mine = [a if b is None else b if a is None else a + b for a, b in zip(self.box.left[1], mine)]
+            mine = [sum_grads(pair) for pair in zip(self.box.left[1], mine)]
         self.box.left = (task, mine)
         return self.zero
 
@@ -172,7 +172,7 @@ class _Run:
             workers[0].intra_op_threads == torch.get_num_threads()
         self.inline = alone or bool(self.state.ambient.inline_reason)
         self.params = self._trainable() if training else []
-        self.anchors = pipe.anchors(self.params) if training else []
+        self.anchors: list[Anchor] = []  # pipe(x)'s, set by Pipeline.forward; pipe.step needs none
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """The trainable parameters, each once, in stage order: the order of the step's gradient list."""

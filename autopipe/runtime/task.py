@@ -7,10 +7,11 @@ same kernels on the same inputs with the same generator seed: bit for bit. Param
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,6 +38,13 @@ def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
 
 
 _U64 = (1 << 64) - 1
+
+
+def sum_grads(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The sum of the parts that are not None, in the order given (bitwise reproducible), on the first one's
+    device; None if none. Every gradient a value or parameter gets from several places is summed by this."""
+    present = [g for g in parts if g is not None]
+    return functools.reduce(lambda a, b: a + b.to(a.device), present) if present else None
 
 
 def differentiable(x: Any) -> bool:

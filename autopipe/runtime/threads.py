@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .executor import StageFailure, Transport
-from .task import differentiable
+from .task import differentiable, sum_grads
 
 OUTPUT = 1 << 30   # the model's output as a gradient contributor: after every stage
 
@@ -161,7 +161,7 @@ class Mailbox(Transport):
     def send_final_grads(self, i: int, grads: list) -> None:
         summed: dict[str, torch.Tensor | None] = {}  # a value the model returns twice gets one gradient
         for name, g in zip(self.programs[i].plan.graph_outputs, grads):
-            summed[name] = g if summed.get(name) is None else summed[name] if g is None else summed[name] + g
+            summed[name] = sum_grads([summed.get(name), g])
         for name, g in summed.items():
             self.contribute(i, name, OUTPUT, g)
 
@@ -173,11 +173,7 @@ class Mailbox(Transport):
             if len(parts) < self.programs[i].readers.get(name, 1):
                 return
             del self.grad_parts[(i, name)]
-        total = None
-        for _, g in sorted(parts.items(), key=lambda kv: kv[0]):
-            if g is not None:
-                total = g if total is None else total + (g if g.device == total.device else g.to(total.device))
-        self._set(self.grads, (i, name), total)
+        self._set(self.grads, (i, name), sum_grads([g for _, g in sorted(parts.items(), key=lambda kv: kv[0])]))
 
     def grad(self, i: int, name: str) -> torch.Tensor | None:
         """The summed gradient of a graph input (after the backward phase)."""
