@@ -27,7 +27,7 @@ from autopipe.runtime.task import CHECKPOINT_MODES
 BALANCE_MODES = ("flops", "params", "time")
 
 
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
@@ -49,13 +49,13 @@ class Options:
     optimizer: str | None = "adam"         # for the plan's memory prediction: "sgd", "momentum", "adam", None
 
     def __post_init__(self) -> None:
-        if not _positive_int(self.chunks):
+        if not positive_int(self.chunks):
             raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {self.chunks!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {self.balance!r}")
-        if not _positive_int(self.virtual_stages):
+        if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
         object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
@@ -105,7 +105,7 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
 
 def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
     """For planning only: an int names that many stages without checking they exist."""
-    if not _positive_int(devices):
+    if not positive_int(devices):
         return resolve_devices(devices)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]
@@ -244,7 +244,7 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
                            verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
                            virtual_stages=1 if "schedule" in auto else virtual_stages,
                            checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer)
-    args, kwargs = _as_tuple(example_inputs), example_kwargs or {}
+    args, kwargs = as_tuple(example_inputs), example_kwargs or {}
     if auto:
         return _choose(model, args, kwargs, options, stage_devices, auto)
     return run_passes(model, args, kwargs, options, generate=False).plan
@@ -284,11 +284,11 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
                         deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
                         track_memory=track_memory)
     if example_inputs is not None or example_kwargs:
-        pipe.compile_for(_as_tuple(example_inputs), example_kwargs or {})
+        pipe.compile_for(as_tuple(example_inputs), example_kwargs or {})
     return pipe
 
 
-def _as_tuple(inputs: Any) -> tuple:
+def as_tuple(inputs: Any) -> tuple:
     return () if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 

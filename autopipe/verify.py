@@ -14,10 +14,10 @@ import torch
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 
-from autopipe.compile import Options, _as_tuple, _positive_int, resolve_devices, run_passes
+from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
-from autopipe.passes.trace import _register_dataclasses
+from autopipe.passes.trace import register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
 from autopipe.runtime.step import model_loss
 
@@ -191,7 +191,7 @@ def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable,
 
 def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in a (nested) output, as the pipeline flattens and merges it."""
-    tree = _register_dataclasses(output)
+    tree = register_dataclasses(output)
     try:
         pairs = [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]
     except ValueError:  # a pytree node registered without keys (diffusers' outputs): by position
@@ -298,10 +298,10 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
     """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against
     the plain model. ``devices=N``: N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default:
     :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``. ``print(report)`` shows the findings."""
-    devices = [str(d) for d in resolve_devices(["cpu"] * devices if _positive_int(devices) else devices)]
+    devices = [str(d) for d in resolve_devices(["cpu"] * devices if positive_int(devices) else devices)]
     Options.make(devices, chunks=chunks, checkpoint=checkpoint)  # a bad chunks or checkpoint, named now
     with preserved_global_state(), torch.enable_grad():  # the caller's RNG, grad mode and thread count stay
-        return _verify(model, _as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
+        return _verify(model, as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
 
 
 def _scalar_outputs(model, args, kwargs, devices, chunks) -> dict[int, Any]:
@@ -326,7 +326,7 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: concatenated, a 0-dim loss as its plan says
         if len(outputs) == 1:
             return outputs[0]
-        flat = [pytree.tree_flatten(_register_dataclasses(o)) for o in outputs]
+        flat = [pytree.tree_flatten(register_dataclasses(o)) for o in outputs]
         columns = enumerate(zip(*(leaves for leaves, _ in flat)))
         return pytree.tree_unflatten([merge(c, sizes, scalars.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
 

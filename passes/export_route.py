@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopipe.random_ops import op_name
-from .trace import TracedModel, _specialises_batch, flat_root, user_frame
+from .trace import TracedModel, specialises_batch, flat_root, user_frame
 
 
 class ExportRouteError(RuntimeError):
@@ -48,7 +48,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     except Exception as e:
         hint = (f"\nThe model treats the batch size as a constant (e.g. reshape({batch_size}, ...)), so it cannot "
                 f'run on smaller micro-batches; TORCH_LOGS="+dynamic" shows where it specialised.'
-                if dynamic_batch and _specialises_batch(e) else "")
+                if dynamic_batch and specialises_batch(e) else "")
         how = f"dim 0 of size {batch_size} dynamic" if dynamic_batch else f"static shapes, batch {batch_size}"
         raise ExportRouteError(f"torch.export (non-strict, {how}) failed on {type(model).__name__}"
                                f"{user_frame(e, model)}: {type(e).__name__}: {e}{hint}") from e

@@ -98,7 +98,7 @@ class TracedModel:
         """``fn`` called as the traced call with ``tensors`` (proxies while tracing), its output's structure kept."""
         arguments = pytree.tree_unflatten(_fill(self.input_leaves, self.tensor_positions, tensors), self.input_spec)
         bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
-        leaves, self.output_spec = pytree.tree_flatten(_register_dataclasses(fn(*bound.args, **bound.kwargs)))
+        leaves, self.output_spec = pytree.tree_flatten(register_dataclasses(fn(*bound.args, **bound.kwargs)))
         if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
             raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, fx.Proxy))]
@@ -118,7 +118,7 @@ def _same_constant(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _register_dataclasses(tree: Any) -> Any:
+def register_dataclasses(tree: Any) -> Any:
     """Plain dataclasses become pytree nodes (process-wide), as torch.export needs; nested ones once their parent is."""
     while new := {type(x) for x in pytree.tree_leaves(tree) if dataclasses.is_dataclass(x)
                   and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES}:
@@ -182,7 +182,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         except Exception as e:  # fx fails in many exception types
             errors.append((name, e))
     else:
-        if static_batch is None and _specialises_batch(errors[-1][1]):
+        if static_batch is None and specialises_batch(errors[-1][1]):
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
@@ -204,7 +204,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     return traced
 
 
-def _specialises_batch(error: BaseException | None) -> bool:
+def specialises_batch(error: BaseException | None) -> bool:
     """Did torch.export fail because the model's Python fixed (or bounded) the dynamic batch? By the error's type
     (torch/_dynamo/exc.py, symbolic_shapes.py), or by torch's message where a version wraps them otherwise."""
     from torch._dynamo.exc import UserErrorType
@@ -335,7 +335,7 @@ def output_shapes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
         with preserved_global_state(), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
                 FakeTensorMode(allow_non_fake_inputs=True) as mode:
             args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
-            out = _register_dataclasses(model(*args, **kwargs))
+            out = register_dataclasses(model(*args, **kwargs))
         with_paths = pytree.tree_flatten_with_path(out)[0]
     except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
         return None

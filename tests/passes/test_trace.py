@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from autopipe.global_state import differences, snapshot
-from autopipe.passes.trace import BatchSpecialised, TraceError, _specialises_batch, trace
+from autopipe.passes.trace import BatchSpecialised, TraceError, specialises_batch, trace
 
 
 class TinyUNet(nn.Module):
@@ -140,9 +140,9 @@ def test_batch_specialisation_is_recognised_by_type_not_only_by_message():
     cause = UserError(UserErrorType.CONSTRAINT_VIOLATION, "the wording of a future torch")
     wrapped = RuntimeError("export failed")
     wrapped.__cause__ = cause
-    assert _specialises_batch(wrapped)
-    assert not _specialises_batch(RuntimeError("export failed"))
-    assert not _specialises_batch(UserError(UserErrorType.DYNAMIC_CONTROL_FLOW, "if x.sum() > 0"))
+    assert specialises_batch(wrapped)
+    assert not specialises_batch(RuntimeError("export failed"))
+    assert not specialises_batch(UserError(UserErrorType.DYNAMIC_CONTROL_FLOW, "if x.sum() > 0"))
 
 
 # -- global state -----------------------------------------------------------------------------------
