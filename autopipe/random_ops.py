@@ -42,7 +42,7 @@ def op_name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target)).split(".")[0]
 
 
-def _overloads(target: Any, out: bool = True) -> list[OpOverload]:
+def aten_overloads(target: Any, out: bool = True) -> list[OpOverload]:
     """The aten overloads of an op packet, a torch C function or a Tensor method (by name); "default" first."""
     packet = target if isinstance(target, OpOverloadPacket) else getattr(aten, op_name(target), None)
     names = packet.overloads() if isinstance(packet, OpOverloadPacket) else []
@@ -160,7 +160,7 @@ for _fn in (dropout, feature_dropout, alpha_dropout, feature_alpha_dropout):
         FUNCTIONS[getattr(torch, _fn.__name__ + _suffix)] = (_fn, _extra)
         FUNCTIONS[getattr(aten, _fn.__name__ + _suffix).default] = (_fn, _extra)
 for _fn in (rand_like, randn_like, randint_like, native_dropout, scaled_dot_product_attention):
-    FUNCTIONS.update({o: (_fn, {}) for o in _overloads(getattr(aten, _fn.__name__), out=False)})
+    FUNCTIONS.update({o: (_fn, {}) for o in aten_overloads(getattr(aten, _fn.__name__), out=False)})
 
 
 def _attributes(*names: str) -> Callable[[nn.Module], dict[str, Any]]:
@@ -184,7 +184,7 @@ def aten_route(op: OpOverload) -> tuple[str, Any]:
     if op in FUNCTIONS:
         return "function", FUNCTIONS[op][0]
     names = set(signature_of(op).parameters) | {"generator"}
-    if twins := [t for t in (op, *_overloads(op.overloadpacket, out=False)) if set(signature_of(t).parameters) == names]:
+    if twins := [t for t in (op, *aten_overloads(op.overloadpacket, out=False)) if set(signature_of(t).parameters) == names]:
         return "kwarg", twins[0]
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return "wrap", op
@@ -220,20 +220,20 @@ def _bind(targets: list[Any], args: tuple, kwargs: dict) -> tuple[Any, dict[str,
 def resolve(target: Any, args: tuple, kwargs: dict) -> Any:
     """The overload a call of ``aten.<op>`` (an fx trace names none) takes; any other target as it is."""
     if isinstance(target, OpOverloadPacket):
-        return _bind(_overloads(target, out=False), args, kwargs)[0] or target
+        return _bind(aten_overloads(target, out=False), args, kwargs)[0] or target
     return target
 
 
 def bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """A call's arguments by parameter name, defaults filled in; None where the signature is unknown."""
     if isinstance(target, OpOverloadPacket):
-        return _bind(_overloads(target, out=False), args, kwargs)[1]
-    return _bind([target] if signature_of(target) else _overloads(target), args, kwargs)[1]
+        return _bind(aten_overloads(target, out=False), args, kwargs)[1]
+    return _bind([target] if signature_of(target) else aten_overloads(target), args, kwargs)[1]
 
 
 def takes_generator(target: Any) -> bool:
     """A torch function or Tensor method (by name) whose aten op takes ``generator=``."""
-    return any("generator" in signature_of(o).parameters for o in _overloads(target))
+    return any("generator" in signature_of(o).parameters for o in aten_overloads(target))
 
 
 def with_generator(target: Any, generator: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

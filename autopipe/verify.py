@@ -18,7 +18,7 @@ from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, r
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
 from autopipe.passes.trace import register_dataclasses
-from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
+from autopipe.runtime.microbatch import merge, micro_batch_sizes, split, split_target
 from autopipe.runtime.step import model_loss
 
 STRUCTURE_TOLERANCE = 1e-10          # float64: a correct pipeline is at ~1e-15
@@ -126,7 +126,8 @@ class VerifyReport:
             if c.informational or c.passed != self.passed:  # PASS: every judged check; FAIL: the failing ones
                 continue
             if c.error is not None:
-                parts.append(f"{c.name} raised {c.error.splitlines()[0]}")
+                first = c.error.splitlines()[0]
+                parts.append(f"{c.name} raised {first.rstrip(':')}" + (" (why: print the report)" if first.endswith(":") else ""))
             elif not c.passed:
                 bad = sorted(c.failures, key=Row.worst, reverse=True)
                 names = ", ".join(r.name for r in bad[:3]) + (f", +{len(bad) - 3} more" if len(bad) > 3 else "")
@@ -304,15 +305,16 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
         return _verify(model, as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
 
 
-def _scalar_outputs(model, args, kwargs, devices, chunks) -> dict[int, Any]:
-    """Output leaf -> the plan's facts of each 0-dim output (a loss: a mean or a sum over samples), so that the
-    loop by hand merges as the pipeline does; {} where the model does not plan (the checks say why)."""
+def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
+    """Output leaf -> the plan's facts of it (a 0-dim loss: a mean or a sum over samples; rows a sample, the shape),
+    so that the loop by hand merges and refuses as the pipeline does; {} where the model does not plan (the checks
+    say why)."""
     try:
         program = run_passes(model, args, kwargs, Options.make(devices, chunks=chunks), generate=False).main
     except Exception:  # noqa: BLE001
         return {}
     infos = zip(program.traced.output_positions, map(program.plan.tensors.get, program.plan.graph_outputs))
-    return {position: info for position, info in infos if info is not None and info.kind == "tensor" and not info.shape}
+    return {position: info for position, info in infos if info is not None and info.kind == "tensor" and (not info.shape or info.rows_per_sample)}
 
 
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
@@ -320,15 +322,17 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
     batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
     sizes = micro_batch_sizes(batch, chunks)
+    tensors = [(str(path[1].key) if path[0].idx and len(path) == 2 else ("args", "kwargs")[path[0].idx] + pytree.keystr(path[1:]), t)
+               for path, t in pytree.tree_flatten_with_path((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    split([t for _, t in tensors], [name for name, _ in tensors], sizes)  # as the pipeline: every tensor argument carries the batch
+    facts = _output_facts(model, args, kwargs, devices, chunks)
 
-    scalars = _scalar_outputs(model, args, kwargs, devices, chunks)
-
-    def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: concatenated, a 0-dim loss as its plan says
+    def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: as its plan says
         if len(outputs) == 1:
             return outputs[0]
         flat = [pytree.tree_flatten(register_dataclasses(o)) for o in outputs]
         columns = enumerate(zip(*(leaves for leaves, _ in flat)))
-        return pytree.tree_unflatten([merge(c, sizes, scalars.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
+        return pytree.tree_unflatten([merge(c, sizes, facts.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
 
     @functools.cache
     def run(dtype, how: str, mode: bool | None = None, threads: int | None = None) -> _Step:

@@ -107,9 +107,10 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         info = plan.tensors.get(name)
         if info is not None and info.kind == "tensor" and info.shape and not info.rows_per_sample:
             raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
-                             f"does not carry the batch, so no concatenation of what {plan.chunks} micro-batches give "
-                             f"is the plain model's value; return it per sample, compute it outside the model, or "
-                             f"run with chunks=1")
+                             f"does not hold the batch as whole samples (a value over the batch, or several rows a sample that autopipe "
+                             f"cannot show stay together: torch.cat of batch tensors along dim 0, a flatten after a transpose), so "
+                             f"no concatenation of what {plan.chunks} micro-batches give is the plain model's value; return it per "
+                             f"sample, compute it outside the model, or run with chunks=1")
     stages = []
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopipe.plan import Plan, StagePlan, TensorInfo
-from autopipe.random_ops import is_random_target, op_name, signature_of
+from autopipe.random_ops import aten_overloads, bind, is_random_target, op_name, signature_of
 from .cost import CostedGraph
 from .cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
 
@@ -137,6 +137,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
     merges = _scalar_merges(gm, costed.traced.batch_size, costed.traced.static_batch is not None)
+    together = _samples_together(gm, costed.traced.batch_size)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -151,7 +152,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, costed.traced.batch_size, merges.get(n, "mean"))
+            tensors[n.name] = _info(n, s, later, n in output_args, costed.traced.batch_size, merges.get(n, "mean"), n in together)
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -257,6 +258,76 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
             if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
 
 
+# a new shape over the same row-major order: a sample's rows stay together
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
+                       "contiguous", "clone", "detach", "alias", "to", "_to_copy", "type", "type_as", "float", "double", "half", "bfloat16"})
+# row-wise unless along dim 0 (``dim``), or over every dim (``normalized_shape``)
+_ALONG_DIMS = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "sum", "mean", "amax", "amin", "max", "min", "argmax",
+                         "argmin", "topk", "sort", "argsort", "norm", "logsumexp", "cumsum", "var", "std", "normalize", "split", "chunk",
+                         "unbind", "select", "slice", "narrow", "index_select", "gather", "dropout", "native_dropout", "layer_norm",
+                         "native_layer_norm", "rms_norm", "_fused_rms_norm"})
+_ON_ROWS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "embedding", "conv1d", "conv2d", "conv3d", "convolution"})
+_ROW_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.modules.dropout._DropoutNd,
+                torch.nn.Identity, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid)
+
+
+def _samples_together(gm: fx.GraphModule, batch: int) -> set[fx.Node]:
+    """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
+    concatenate to the plain model's value: a reshape of a batch tensor (row-major order is kept: MoE router logits,
+    ``logits.view(-1, V)``) or a row-wise op of one. Nothing else is shown: torch.cat of batch tensors along dim 0
+    (two views of a batch), a flatten after a transpose (sequence-major) would come out with the rows permuted."""
+    together: set[fx.Node] = set()
+
+    def rows_of(n: Any) -> int | None:
+        val = n.meta.get("val") if isinstance(n, fx.Node) else None
+        return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() else None
+
+    def keeps_rows(n: fx.Node, rows: int) -> bool:  # n's tensor operands give a result of ``rows`` rows, row by row
+        operands = [a for a in n.all_input_nodes if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
+        if not operands or n.op not in ("call_function", "call_method", "call_module"):
+            return False
+        first, others = operands[0], operands[1:]
+        if n.op == "call_module":
+            module = gm.get_submodule(n.target)
+            name = "module" if isinstance(module, _ROW_MODULES) else type(module).__name__
+        else:
+            name = op_name(n.target)
+        if name in _RESHAPES:
+            return first in together or rows_of(first) == batch
+        if not (first in together or rows_of(first) == batch) or rows_of(first) != rows:
+            return False
+        if name in _ON_ROWS:  # a 2-D operand with these rows would be summed over them
+            return all(rows_of(a) != rows or (a.meta["val"].dim() > 2 and a in together) for a in others)
+        if name in _ALONG_DIMS:
+            bound, ndim = bind(n.target, n.args, n.kwargs) or {}, first.meta["val"].dim()
+            dims = bound.get("dim")
+            if name == "slice" and bound.get("start") in (0, None) and (bound.get("end") or rows) >= rows and bound.get("step", 1) == 1:
+                dims = None  # export's x[:, ...]: all of dim 0
+            if any(d % ndim == 0 for d in (dims if isinstance(dims, (list, tuple)) else [dims]) if isinstance(d, int)) or \
+                    len(bound.get("normalized_shape") or ()) >= ndim:
+                return False
+        elif name != "module" and not any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name)):
+            return False
+        ndim = len(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None
+        return all(a.meta["val"].dim() != ndim or rows_of(a) in (1, None) or (rows_of(a) == rows and a in together) for a in others)
+
+    for n in gm.graph.nodes:
+        rows = rows_of(n)
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            source, index = n.args
+            if isinstance(source.meta.get("val"), (tuple, list)):  # one result of topk, split, ... along another dim
+                ok = keeps_rows(source, rows)
+            else:  # x[:, ...], x[..., i]: an index that leaves dim 0 whole
+                index = index if isinstance(index, tuple) else (index,)
+                ok = (source in together or rows_of(source) == batch) and rows_of(source) == rows and bool(index) and (
+                    index[0] == slice(None) or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
+        else:
+            ok = keeps_rows(n, rows) if rows else False
+        if ok and rows and rows % batch == 0 and rows != batch:
+            together.add(n)
+    return together
+
+
 def batch_rows(n: Any, batch: int) -> bool:
     """``n``'s dim 0 is the batch: the dynamic batch symbol (export), or the traced batch size."""
     val = n.meta.get("val") if isinstance(n, fx.Node) else None
@@ -266,13 +337,15 @@ def batch_rows(n: Any, batch: int) -> bool:
     return bool(rows.node.expr.free_symbols) if isinstance(rows, torch.SymInt) else int(rows) == batch
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str) -> TensorInfo:
-    """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind."""
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str, together: bool) -> TensorInfo:
+    """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows
+    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together gets 0: refused."""
     val = n.meta.get("val")
     kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 1
     if isinstance(val, torch.Tensor):
         kind, shape, dtype, nbytes = "tensor", tuple(int(d) for d in val.shape), val.dtype, val.nbytes
         rows = shape[0] // batch if shape and batch and shape[0] % batch == 0 else 0
+        rows = rows if rows == 1 or together or not is_output else 0
     elif isinstance(val, (int, torch.SymInt)):
         kind = "int"
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):

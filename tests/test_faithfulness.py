@@ -390,9 +390,55 @@ def test_outputs_flattened_over_batch_and_sequence_merge_and_train_like_the_plai
     assert max_relative(grads_of(model), grads_of(reference)) < 1e-12
 
 
+class RowsApart(nn.Module):
+    """Outputs of two rows a sample whose rows are not together: the batch's two views one after the other
+    (contrastive pairs, classifier-free guidance), and a flatten after a transpose (sequence-major)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a = how, nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (batch, 2, 8)
+        h = self.a(x)
+        return torch.cat([h[:, 0], -h[:, 1]]) if self.how == "cat" else h.transpose(0, 1).reshape(-1, 8)
+
+
+class RowsTogether(nn.Module):
+    """Outputs of several rows a sample that stay together: reshapes of batch tensors and row-wise ops on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x):  # x: (batch, 3, 8)
+        h = self.a(x).relu()
+        flat = h.reshape(-1, 8)
+        return self.b(flat).log_softmax(-1), (self.b(h).flatten(0, 1)[:, :3] * 2).topk(2, dim=-1)[0], flat[..., 1] + flat.sum(-1)
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("how", ["cat", "sequence_major"])
+def test_outputs_whose_rows_a_sample_are_not_together_are_refused_not_permuted(how, route):
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="torch.cat of batch tensors along dim 0, a flatten after a transpose"):
+        autopipe.compile(RowsApart(how), devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(x,))
+    model = RowsApart(how)
+    torch.testing.assert_close(autopipe.compile(model, devices=["cpu"] * 2, chunks=1, route=route)(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_outputs_whose_rows_a_sample_stay_together_merge_like_the_plain_model(route):
+    torch.manual_seed(0)
+    model = RowsTogether().double()
+    x = torch.randn(4, 3, 8, dtype=torch.double)
+    for got, want in zip(autopipe.compile(model, devices=["cpu"] * 2, chunks=2, route=route)(x), model(x)):
+        assert got.shape[0] == 12
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_an_output_that_does_not_carry_the_batch_is_refused_naming_it():
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"output mean .* has shape \(2,\): dim 0 does not carry the batch"):
+    with pytest.raises(ValueError, match=r"output mean .* has shape \(2,\): dim 0 does not hold the batch as whole samples"):
         autopipe.compile(BatchStatistic(), devices=["cpu"] * 2, chunks=2, example_inputs=(x,))
     assert autopipe.compile(BatchStatistic(), devices=["cpu"] * 2, chunks=1)(x)[1].shape == (2,)
 

@@ -252,6 +252,15 @@ def test_nothing_of_the_callers_changes():
         assert torch.equal(b, buffers[n]), n
 
 
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.a(x) * mask.sum()
+
+
 def test_bad_arguments_are_named():
     model = build("mlp")
     args, _ = random_inputs("mlp")
@@ -263,6 +272,9 @@ def test_bad_arguments_are_named():
         autopipe.verify(model, args, devices=0)
     with pytest.raises(TypeError, match="devices must be an int"):
         autopipe.verify(model, args, devices="cpu")
+    # a tensor argument whose dim 0 is not the batch: the pipeline's own refusal, not the model's error from the loop by hand
+    with pytest.raises(autopipe.BatchMismatch, match=r"argument 'mask' has 3 rows in dim 0 but the batch is 8"):
+        autopipe.verify(Masked(), (torch.randn(8, 4),), {"mask": torch.ones(3, 1)})
 
 
 def test_an_error_in_the_plain_model_is_raised_not_reported():
