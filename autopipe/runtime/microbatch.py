@@ -52,7 +52,8 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
             sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
     rows = [p.shape[0] for p in parts]
     k = traced.rows_per_sample if traced is not None else rows[0] // sizes[0]
-    if k == 0 or rows != [k * s for s in sizes] or (traced is not None and parts[0].shape[1:] != traced.shape[1:]):
+    other_dims = traced.shape[1:] if traced is not None else parts[0].shape[1:]
+    if k == 0 or rows != [k * s for s in sizes] or any(p.shape[1:] != other_dims for p in parts):
         shapes = [tuple(p.shape) for p in parts]
         raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
                          + (f" (traced at a batch of {traced.shape[0] // max(k, 1)}: {traced.shape})" if traced else "")

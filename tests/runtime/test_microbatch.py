@@ -41,7 +41,8 @@ def test_parts_with_rows_a_sample_merge_and_their_gradient_splits_by_rows():
     assert [g.shape[0] for g in microbatch.split_grad(torch.ones_like(merged), parts, [3, 2])] == [15, 10]
 
 
-@pytest.mark.parametrize("parts", [[torch.randn(2), torch.randn(2)], [torch.randn(3), torch.randn(3)]])
+@pytest.mark.parametrize("parts", [[torch.randn(2), torch.randn(2)], [torch.randn(3), torch.randn(3)],
+                                   [torch.randn(3, 16), torch.randn(2, 4)]])  # a length set by the data (VITS' waveform)
 def test_parts_that_do_not_scale_with_the_micro_batch_are_refused(parts):
     with pytest.raises(ValueError, match="does not carry the batch"):
         microbatch.merge(parts, [3, 2])
