@@ -313,17 +313,20 @@ def _samples_together(gm: fx.GraphModule, batch: int) -> set[fx.Node]:
 
     for n in gm.graph.nodes:
         rows = rows_of(n)
+        if not rows or rows % batch or rows == batch:
+            continue  # one row a sample is the batch itself, as GPipe takes it
         if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             source, index = n.args
             if isinstance(source.meta.get("val"), (tuple, list)):  # one result of topk, split, ... along another dim
                 ok = keeps_rows(source, rows)
             else:  # x[:, ...], x[..., i]: an index that leaves dim 0 whole
                 index = index if isinstance(index, tuple) else (index,)
-                ok = (source in together or rows_of(source) == batch) and rows_of(source) == rows and bool(index) and (
-                    index[0] == slice(None) or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
+                ok = source in together and rows_of(source) == rows and bool(index) and (
+                    isinstance(index[0], slice) and index[0] == slice(None)
+                    or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
         else:
-            ok = keeps_rows(n, rows) if rows else False
-        if ok and rows and rows % batch == 0 and rows != batch:
+            ok = keeps_rows(n, rows)
+        if ok:
             together.add(n)
     return together
 
