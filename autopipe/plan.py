@@ -22,9 +22,14 @@ class TensorInfo:
     consumers: tuple[int, ...]  # stage indices that read it
     is_output: bool = False     # also an output of the model
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
-    batched: bool = True        # dim 0 is the batch (split into micro-batches)
-    rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch (a (batch * seq, ...) tensor: seq); 0: not a multiple
+    rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch at any batch (a (batch * seq, ...) tensor: seq); 0: not the batch
+    merges: bool = True         # an output whose micro-batch parts concatenate to the plain value (each sample's rows together)
     scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum" or "unknown"
+
+    @property
+    def batched(self) -> bool:
+        """Dim 0 grows with the batch: split into micro-batches."""
+        return self.rows_per_sample > 0
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
     facts = _GraphFacts(graph_module)
     for name in plan.graph_outputs if plan.chunks > 1 else ():
         info = plan.tensors.get(name)
-        if info is not None and info.kind == "tensor" and info.shape and not info.rows_per_sample:
+        if info is not None and info.kind == "tensor" and info.shape and not info.merges:
             raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
                              f"does not hold the batch as whole samples (a value over the batch, or several rows a sample that autopipe "
                              f"cannot show stay together: torch.cat of batch tensors along dim 0, a flatten after a transpose), so "

@@ -136,8 +136,8 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
-    merges = _scalar_merges(gm, costed.traced.batch_size, costed.traced.static_batch is not None)
-    together = _samples_together(gm, costed.traced.batch_size)
+    merges = _scalar_merges(gm, costed.traced.static_batch is not None)
+    together = _samples_together(gm)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -152,7 +152,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, costed.traced.batch_size, merges.get(n, "mean"), n in together)
+            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together)
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -191,15 +191,12 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
             "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
-def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node, str]:
+def _scalar_merges(gm: fx.GraphModule, static: bool) -> dict[fx.Node, str]:
     """How each 0-dim float output of the model merges over micro-batches: "mean" (a mean over samples, or no
     batch in it: the size-weighted mean), "sum" (a sum over samples, or one divided by a number the batch does
     not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown". ``static``: a graph exported at
     one micro-batch size, where a number may be that size."""
-    from_batch: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        if batch_rows(n, batch) and n.op == "placeholder" or any(a in from_batch for a in n.all_input_nodes):
-            from_batch.add(n)
+    from_batch = _from_batch(gm)
 
     def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -225,9 +222,9 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
             name = n.target if n.op == "call_method" else op_name(n.target) if n.op == "call_function" else ""
         name = _READ_AS.get(name, name)
         first = n.args[0] if n.args else None
-        if name in ("mean", "sum") and batch_rows(first, batch) and not n.meta["val"].dim():
+        if name in ("mean", "sum") and rows_per_sample(first) == 1 and not n.meta["val"].dim():
             return name
-        if (name in _LOSSES or name in _TARGET_MEANS) and batch_rows(first, batch):
+        if (name in _LOSSES or name in _TARGET_MEANS) and rows_per_sample(first) == 1:
             how = reduction(n)
             return "sum" if how == "sum" else "mean" if how in ("mean", "batchmean") and name in _LOSSES else "unknown"
         if name in _PASS_THROUGH:
@@ -239,7 +236,7 @@ def _scalar_merges(gm: fx.GraphModule, batch: int, static: bool) -> dict[fx.Node
             if b not in from_batch:
                 return "unknown" if static and not isinstance(b, fx.Node) else kind(a, n)  # the literal may be the batch
             sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
-            if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and batch_rows(b.args[0], batch) and kind(a, n) == "sum":
+            if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and rows_per_sample(b.args[0]) == 1 and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
         if name in ("add", "sub") and len(n.args) == 2:
             kinds = {kind(a, n) for a in n.args if a in from_batch}
@@ -271,18 +268,22 @@ _ROW_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.n
                 torch.nn.Identity, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid)
 
 
-def _samples_together(gm: fx.GraphModule, batch: int) -> set[fx.Node]:
+def _samples_together(gm: fx.GraphModule) -> set[fx.Node]:
     """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
     concatenate to the plain model's value: a reshape of a batch tensor (row-major order is kept: MoE router logits,
-    ``logits.view(-1, V)``) or a row-wise op of one. Nothing else is shown: torch.cat of batch tensors along dim 0
-    (two views of a batch), a flatten after a transpose (sequence-major) would come out with the rows permuted."""
+    ``logits.view(-1, V)``) or a row-wise op of one, whose other operands do not come from the batch (a statistic
+    over the batch would mix the samples) and which no later write changes other than row by row. Nothing else is
+    shown: torch.cat of batch tensors along dim 0 (two views of a batch), a flatten after a transpose
+    (sequence-major) would come out with the rows permuted."""
+    from_batch = _from_batch(gm)
     together: set[fx.Node] = set()
+    poisoned: set[fx.Node] = set()
 
     def rows_of(n: Any) -> int | None:
         val = n.meta.get("val") if isinstance(n, fx.Node) else None
         return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() else None
 
-    def keeps_rows(n: fx.Node, rows: int) -> bool:  # n's tensor operands give a result of ``rows`` rows, row by row
+    def keeps_rows(n: fx.Node, k: int) -> bool:  # n's tensor operands give a result of k rows a sample, row by row
         operands = [a for a in n.all_input_nodes if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
         if not operands or n.op not in ("call_function", "call_method", "call_module"):
             return False
@@ -293,65 +294,98 @@ def _samples_together(gm: fx.GraphModule, batch: int) -> set[fx.Node]:
         else:
             name = op_name(n.target)
         if name in _RESHAPES:
-            return first in together or rows_of(first) == batch
-        if not (first in together or rows_of(first) == batch) or rows_of(first) != rows:
-            return False
+            return first in together or rows_per_sample(first) == 1
+        if first not in together or rows_per_sample(first) != k or any(a.meta.get("batch_number") for a in n.all_input_nodes):
+            return False  # y * y.shape[0]: a number that differs between micro-batches
         if name in _ON_ROWS:  # a 2-D operand with these rows would be summed over them
-            return all(rows_of(a) != rows or (a.meta["val"].dim() > 2 and a in together) for a in others)
+            return all(a not in from_batch or (a.meta["val"].dim() > 2 and a in together and rows_per_sample(a) == k) for a in others)
         if name in _ALONG_DIMS:
             bound, ndim = bind(n.target, n.args, n.kwargs) or {}, first.meta["val"].dim()
             dims = bound.get("dim")
-            if name == "slice" and bound.get("start") in (0, None) and (bound.get("end") or rows) >= rows and bound.get("step", 1) == 1:
+            if name == "slice" and bound.get("start") in (0, None) and (bound.get("end") or rows_of(first)) >= rows_of(first) and bound.get("step", 1) == 1:
                 dims = None  # export's x[:, ...]: all of dim 0
+            if dims is None and name in ("softmax", "log_softmax"):
+                dims = 0 if ndim in (0, 1, 3) else 1  # F.softmax's implicit dim (torch/nn/functional.py, _get_softmax_dim)
             if any(d % ndim == 0 for d in (dims if isinstance(dims, (list, tuple)) else [dims]) if isinstance(d, int)) or \
                     len(bound.get("normalized_shape") or ()) >= ndim:
                 return False
         elif name != "module" and not any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name)):
             return False
-        ndim = len(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None
-        return all(a.meta["val"].dim() != ndim or rows_of(a) in (1, None) or (rows_of(a) == rows and a in together) for a in others)
+        return all(a not in from_batch or (rows_per_sample(a) == k and a in together) for a in others)
 
+    def together_by_getitem(n: fx.Node, k: int) -> bool:
+        source, index = n.args
+        if isinstance(source.meta.get("val"), (tuple, list)):  # one result of topk, split, ... along another dim
+            return keeps_rows(source, k)
+        index = index if isinstance(index, tuple) else (index,)  # x[:, ...], x[..., i]: an index that leaves dim 0 whole
+        return source in together and rows_per_sample(source) == k and bool(index) and (
+            isinstance(index[0], slice) and index[0] == slice(None)
+            or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
+
+    views = _views(gm)
+    while True:
+        together.clear()
+        for n in gm.graph.nodes:
+            k = rows_per_sample(n)
+            if k < 2 or n in poisoned:
+                continue  # one row a sample is the batch itself, as GPipe takes it
+            if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+                ok = together_by_getitem(n, k)
+            else:
+                ok = keeps_rows(n, k)
+            if ok:
+                together.add(n)
+        # a write in place to a view of a together value (x[:2] = 0, y.copy_(a sequence-major z)) that is not row
+        # by row changes every view of its storage
+        written = {views[n.args[0]] for n in gm.graph.nodes if _is_inplace(n) and n.args and isinstance(n.args[0], fx.Node)
+                   and rows_per_sample(n.args[0]) != 1 and not (n.args[0] in together and keeps_rows(n, rows_per_sample(n.args[0])))}
+        spoilt = {n for n in together if views[n] in written} - poisoned
+        if not spoilt:
+            return together
+        poisoned |= spoilt
+
+
+# ops whose result shares its input's storage: a write to one changes the other
+_VIEWS = _RESHAPES | {"slice", "select", "narrow", "getitem", "transpose", "permute", "t", "expand", "expand_as", "as_strided",
+                      "unbind", "split", "chunk", "diagonal", "movedim", "unfold", "view_as_real", "view_as_complex", "split_with_sizes"}
+
+
+def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each node -> a representative of the values that may share its storage (views of views of one tensor)."""
+    root: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
-        rows = rows_of(n)
-        if not rows or rows % batch or rows == batch:
-            continue  # one row a sample is the batch itself, as GPipe takes it
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-            source, index = n.args
-            if isinstance(source.meta.get("val"), (tuple, list)):  # one result of topk, split, ... along another dim
-                ok = keeps_rows(source, rows)
-            else:  # x[:, ...], x[..., i]: an index that leaves dim 0 whole
-                index = index if isinstance(index, tuple) else (index,)
-                ok = source in together and rows_of(source) == rows and bool(index) and (
-                    isinstance(index[0], slice) and index[0] == slice(None)
-                    or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
-        else:
-            ok = keeps_rows(n, rows)
-        if ok:
-            together.add(n)
-    return together
+        source = n.args[0] if n.args else None
+        is_view = n.op in ("call_function", "call_method") and op_name(n.target) in _VIEWS or n.target is operator.getitem
+        root[n] = root.get(source, source) if is_view and isinstance(source, fx.Node) else n
+    return root
 
 
-def batch_rows(n: Any, batch: int) -> bool:
-    """``n``'s dim 0 is the batch: the dynamic batch symbol (export), or the traced batch size."""
-    val = n.meta.get("val") if isinstance(n, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not val.dim():
-        return False
-    rows = val.shape[0]
-    return bool(rows.node.expr.free_symbols) if isinstance(rows, torch.SymInt) else int(rows) == batch
+def _from_batch(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes computed from the batch inputs."""
+    found: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if rows_per_sample(n) and n.op == "placeholder" or any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, batch: int, scalar_merge: str, together: bool) -> TensorInfo:
+def rows_per_sample(n: Any) -> int:
+    """k where ``n``'s dim 0 holds k rows of each sample at every batch size (trace's fact), else 0."""
+    return n.meta.get("rows_per_sample", 0) if isinstance(n, fx.Node) else 0
+
+
+
+
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows
-    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together gets 0: refused."""
+    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together does not merge: refused."""
     val = n.meta.get("val")
-    kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 1
+    kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 0
     if isinstance(val, torch.Tensor):
-        kind, shape, dtype, nbytes = "tensor", tuple(int(d) for d in val.shape), val.dtype, val.nbytes
-        rows = shape[0] // batch if shape and batch and shape[0] % batch == 0 else 0
-        rows = rows if rows == 1 or together or not is_output else 0
+        kind, shape, dtype, nbytes, rows = "tensor", tuple(int(d) for d in val.shape), val.dtype, val.nbytes, rows_per_sample(n)
     elif isinstance(val, (int, torch.SymInt)):
         kind = "int"
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer, consumers=tuple(consumers),
-                      is_output=is_output, kind=kind, batched=batch_rows(n, batch), rows_per_sample=rows, scalar_merge=scalar_merge)
+                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=rows == 1 or rows > 1 and together, scalar_merge=scalar_merge)

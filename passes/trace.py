@@ -194,14 +194,25 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         _propagate_fake_shapes(traced.graph_module, traced.flatten_inputs(arguments))
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
-        frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
         raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
                          f"{_first_line(e)}) has a shape that depends on the values of its input (boolean-mask "
                          f"indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to "
-                         f"cost and cut the graph" + (f"; at {' '.join(f.strip() for f in frame)}" if frame else "")
-                         + ". Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or run it outside "
-                         "the model") from e
+                         f"cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) "
+                         f"with a masked mean) or run it outside the model") from e
+    try:
+        _count_rows_per_sample(traced.graph_module, traced.flatten_inputs(arguments), traced.batch_size, static_batch is None)
+    except Exception as e:  # the graph runs at the traced batch size alone
+        failed = re.search(r"While executing %(\w+)", str(e))
+        node = next((n for n in traced.graph_module.graph.nodes if failed and n.name == failed.group(1)), None)
+        errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{_source_of(node)}", e))
+        message = _explain_failures(model, errors, traced.batch_size)
+        raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
     return traced
+
+
+def _source_of(node: fx.Node | None) -> str:
+    frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
+    return f"; at {' '.join(f.strip() for f in frame)}" if frame else ""
 
 
 def specialises_batch(error: BaseException | None) -> bool:
@@ -350,16 +361,44 @@ class _MetaProp(fx.Interpreter):
         return n.meta["val"]
 
 
-def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor]) -> None:
-    """node.meta["val"] for every node, computed on fake (or meta) tensors: no memory, no compute."""
-    if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *flat_inputs]):
-        with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
-            _MetaProp(gm).run(*flat_inputs)
-            return
+def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], rows: int | None = None) -> None:
+    """node.meta["val"] for every node, computed on fake (or meta) tensors: no memory, no compute. ``rows``: with the
+    inputs' dim 0 (the batch) made that many rows."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
-    inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:  # empty under the mode: fake, no memory
+        inputs = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta" if meta_params else t.device)
+                  if rows is not None and t.dim() else t.to("meta") if meta_params else t for t in flat_inputs]
+    if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
+        with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
+            _MetaProp(gm).run(*inputs)
+            return
     with scalar_buffers_kept(gm):
-        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+        FakeTensorProp(gm, mode).propagate(*inputs)  # real inputs become fake
+
+
+def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int, dynamic: bool) -> None:
+    """node.meta["rows_per_sample"] for each tensor value: k where dim 0 holds k rows of each sample, else 0. The graph
+    run again on fake inputs one row larger tells: dim 0 grows by k rows and no other dim changes. So a feature count
+    that is a multiple of the batch, a transposed sequence dim that equals it, CLIP's batch x batch logits get 0, not
+    the rows an int comparison would see. A graph of one static batch size has only its batch tensors (k = 1)."""
+    at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
+    grown: dict[fx.Node, Any] = {}
+    if dynamic:
+        try:
+            _propagate_fake_shapes(gm, flat_inputs, rows=batch + 1)
+            grown = {n: n.meta.get("val") for n in gm.graph.nodes}
+        finally:
+            for n, val in at_batch.items():
+                n.meta["val"] = val
+    for n, val in at_batch.items():
+        if isinstance(val, torch.Tensor):
+            k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
+            if k > 1 and not dynamic or dynamic and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
+                k = 0  # in a static graph, what looks like k rows a sample may hold more samples' elements than k rows do
+            n.meta["rows_per_sample"] = k
+        elif isinstance(val, int) and dynamic and grown[n] != val:
+            n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
 
 
 def _leaf_names(paths: Iterable[tuple]) -> list[str]:

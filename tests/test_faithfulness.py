@@ -391,16 +391,37 @@ def test_outputs_flattened_over_batch_and_sequence_merge_and_train_like_the_plai
 
 
 class RowsApart(nn.Module):
-    """Outputs of two rows a sample whose rows are not together: the batch's two views one after the other
-    (contrastive pairs, classifier-free guidance), and a flatten after a transpose (sequence-major)."""
+    """Outputs of several rows a sample that micro-batches cannot give: the batch's two views one after the other
+    (contrastive pairs, classifier-free guidance), a flatten after a transpose (sequence-major), also where a dim
+    the batch is moved from equals the batch (an int comparison took those for the batch), rows mixed by a
+    statistic over the batch, a write to some rows, or the batch size as a number."""
+
+    INPUTS = {"cat": (4, 2, 8), "sequence_major": (4, 2, 8), "sequence_major_seq_equals_batch": (4, 4, 8),
+              "stack_of_two_batch_of_two": (2, 8), "centred_over_the_batch": (4, 2, 8), "implicit_softmax_dim": (4, 4, 8),
+              "rows_written": (4, 2, 8), "times_the_batch_size": (4, 2, 8)}
 
     def __init__(self, how: str):
         super().__init__()
         self.how, self.a = how, nn.Linear(8, 8)
 
-    def forward(self, x):  # x: (batch, 2, 8)
+    def forward(self, x):
         h = self.a(x)
-        return torch.cat([h[:, 0], -h[:, 1]]) if self.how == "cat" else h.transpose(0, 1).reshape(-1, 8)
+        flat = h.reshape(-1, 8)
+        if self.how == "cat":
+            return torch.cat([h[:, 0], -h[:, 1]])
+        if self.how.startswith("sequence_major"):
+            return h.transpose(0, 1).reshape(-1, 8)
+        if self.how == "stack_of_two_batch_of_two":
+            return torch.stack([h, -h]).reshape(-1, 8)
+        if self.how == "centred_over_the_batch":
+            return flat - flat.mean(0, keepdim=True)
+        if self.how == "implicit_softmax_dim":
+            return F.softmax(h.reshape(-1, 2, 8))  # dim 0 of a 3-D tensor (torch's legacy choice)
+        if self.how == "rows_written":
+            flat = flat.clone()
+            flat.narrow(0, 0, 2).zero_()  # through a view
+            return flat
+        return flat * flat.shape[0]
 
 
 class RowsTogether(nn.Module):
@@ -416,14 +437,15 @@ class RowsTogether(nn.Module):
         return self.b(flat).log_softmax(-1), (self.b(h).flatten(0, 1)[:, :3] * 2).topk(2, dim=-1)[0], flat[..., 1] + flat.sum(-1)
 
 
+@pytest.mark.filterwarnings("ignore:Implicit dimension choice")
 @pytest.mark.parametrize("route", ["fx", "export"])
-@pytest.mark.parametrize("how", ["cat", "sequence_major"])
+@pytest.mark.parametrize("how", list(RowsApart.INPUTS))
 def test_outputs_whose_rows_a_sample_are_not_together_are_refused_not_permuted(how, route):
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(RowsApart.INPUTS[how], dtype=torch.double)
     with pytest.raises(ValueError, match="torch.cat of batch tensors along dim 0, a flatten after a transpose"):
-        autopipe.compile(RowsApart(how), devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(x,))
-    model = RowsApart(how)
-    torch.testing.assert_close(autopipe.compile(model, devices=["cpu"] * 2, chunks=1, route=route)(x), model(x), rtol=0, atol=0)
+        autopipe.compile(RowsApart(how).double(), devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(x,))
+    model = RowsApart(how).double()
+    torch.testing.assert_close(autopipe.compile(model, devices=["cpu"] * 2, chunks=1, route=route)(x), model(x), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("route", ["fx", "export"])
@@ -447,8 +469,8 @@ def test_an_output_that_does_not_carry_the_batch_is_refused_naming_it():
 def test_batch_by_batch_logits_are_refused_not_returned_in_the_wrong_shape(specialise):
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     model = PairLogits(specialise)
-    with pytest.raises(ValueError, match="no concatenation of the"):
-        autopipe.compile(model, devices=["cpu"] * 2, chunks=2)(a, b)  # exported at its micro-batch size: compile
+    with pytest.raises(ValueError, match="no concatenation of"):  # refused at compile: a dim other than dim 0 grows with the batch
+        autopipe.compile(model, devices=["cpu"] * 2, chunks=2)(a, b)
     assert autopipe.compile(model, devices=["cpu"] * 2, chunks=1)(a, b).shape == (4, 4)
 
 

@@ -51,7 +51,7 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
         return sum(parts) if traced is not None and traced.scalar_merge == "sum" else \
             sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
     rows = [p.shape[0] for p in parts]
-    k = traced.rows_per_sample if traced is not None else rows[0] // sizes[0]
+    k = (traced.rows_per_sample if traced.merges else 0) if traced is not None else rows[0] // sizes[0]
     other_dims = traced.shape[1:] if traced is not None else parts[0].shape[1:]
     if k == 0 or rows != [k * s for s in sizes] or any(p.shape[1:] != other_dims for p in parts):
         shapes = [tuple(p.shape) for p in parts]

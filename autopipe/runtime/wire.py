@@ -26,8 +26,8 @@ class Edge:
         return self.info.kind == "tensor" and (self.info.dtype.is_floating_point or self.info.dtype.is_complex)
 
     def empty(self, rows: int, device: torch.device | None = None, pin_memory: bool = False) -> torch.Tensor:
-        shape = self.info.shape  # a micro-batch of ``rows``
-        return torch.empty((rows, *shape[1:]) if self.info.batched and shape else shape, dtype=self.info.dtype,
+        shape, k = self.info.shape, self.info.rows_per_sample  # a micro-batch of ``rows`` samples
+        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype,
                            device=device, pin_memory=pin_memory)
 
     def to_wire(self, value: Any) -> torch.Tensor:

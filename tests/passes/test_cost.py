@@ -62,8 +62,8 @@ def test_linear_and_conv_modules_match_flop_counter(model, shape):
 def test_functional_linear_conv_matmul_and_bmm_match_flop_counter():
     def forward(self, x, a, b):
         h = F.linear(x, self.lin.weight, self.lin.bias)
-        c = F.conv2d(x.view(2, 3, 4, 5), self.conv.weight)
-        t = F.conv_transpose1d(x.view(2, 6, 10), self.up.weight)
+        c = F.conv2d(x.view(-1, 3, 4, 5), self.conv.weight)
+        t = F.conv_transpose1d(x.view(-1, 6, 10), self.up.weight)
         return h, c, t, torch.matmul(a, b), torch.bmm(a, b), a @ b, a.matmul(b), torch.baddbmm(a @ b, a, b)
 
     model = Fn(forward, lin=nn.Linear(5, 7), conv=nn.Conv2d(3, 4, 2), up=nn.ConvTranspose1d(6, 2, 3))
@@ -79,13 +79,15 @@ def _elementwise(graph) -> int:
 
 
 def test_matmul_of_vectors_and_broadcast_batches():
-    def forward(self, v, m, b):
+    def forward(self, b):  # the batch is b's dim 0 alone: v and m are parameters
+        v, m = self.v, self.m
         return torch.matmul(v, m), torch.matmul(m, v[:3]), torch.matmul(b, m)
 
-    args = (torch.randn(4), torch.randn(4, 3), torch.randn(4, 2, 6, 4))
-    flops = {name: c.flops for name, c in costed(Fn(forward), *args).costs.items() if name.startswith("matmul")}
+    v, m, b = torch.randn(4), torch.randn(4, 3), torch.randn(4, 2, 6, 4)
+    model = Fn(forward)
+    model.v, model.m = nn.Parameter(v), nn.Parameter(m)
+    flops = {name: c.flops for name, c in costed(model, b).costs.items() if name.startswith("matmul")}
     assert flops == {"matmul": 2 * 4 * 3, "matmul_1": 2 * 4 * 3, "matmul_2": 2 * (4 * 2 * 6 * 3) * 4}
-    v, m, b = args
     assert flops["matmul"] == counted(torch.matmul, v, m)  # vector @ matrix runs as mm
     assert flops["matmul_2"] == counted(torch.matmul, b, m)
     assert counted(torch.matmul, m, v[:3]) == 0  # aten.mv has no FlopCounterMode formula; ours counts it

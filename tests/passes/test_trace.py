@@ -311,3 +311,43 @@ def test_a_shape_that_depends_on_values_is_a_clear_trace_error():
     mask[1::2, 4:] = 0
     with pytest.raises(TraceError, match=r"depends on the values of its input \(boolean-mask indexing"):
         trace(MaskedTokens(), (x, mask))
+
+
+class Layouts(nn.Module):
+    """Values whose dim 0 is the batch, k rows of each sample, or neither though an int comparison would say so."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (batch, seq, 8) with seq == batch
+        h = self.a(x)
+        per_token = h.reshape(-1, 8)                  # seq rows a sample
+        sequence_major = h.transpose(0, 1)            # (seq, batch, 8): dim 0 is seq, though seq == batch
+        weights = self.a.weight.reshape(-1, 4)        # (16, 4): a multiple of the batch, no sample in it
+        pairs = h.flatten(1) @ h.flatten(1).t()       # (batch, batch): its dim 1 grows with the batch
+        return per_token, sequence_major, weights, pairs, h.shape[0] * h
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_rows_per_sample_is_what_a_larger_batch_shows_not_an_int_comparison(route):
+    traced = trace(Layouts(), (torch.randn(4, 4, 8),), route=route)
+    output = traced.graph_module.graph.output_node().args[0]
+    assert [n.meta["rows_per_sample"] for n in output] == [4, 0, 0, 0, 1]
+    number = next(n for n in traced.graph_module.graph.nodes if n.meta.get("batch_number"))
+    assert number.meta["val"] == 4  # h.shape[0]: a number that differs between micro-batches
+
+
+def test_an_fx_graph_that_runs_at_its_traced_batch_alone_is_refused_naming_the_batch():
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(x).view(8, 8)  # the batch of 4 written into the model
+
+    with pytest.raises(TraceError, match=r"(?s)batch of 5: RuntimeError: shape '\[8, 8\]' is invalid.*treats the batch size \(4\) as a constant"):
+        trace(Fixed(), (torch.randn(4, 2, 8),), route="fx")
+    with pytest.raises(TraceError):  # auto: traced again at each micro-batch size, where view(8, 8) fails too
+        trace(Fixed(), (torch.randn(4, 2, 8),), route="auto")

@@ -23,8 +23,8 @@ OUT_DIR = "."
 
 
 class SkipGPT(GPT):
-    """zoo.GPT with a long skip (the embeddings, added again before the final norm:
-    made on the first stage, read by the last) and an early model output (a statistic of the token
+    """zoo.GPT with a long skip (the embeddings, flattened to (batch * seq, d) and added again before the final
+    norm: made on the first stage, read by the last) and an early model output (a statistic of the token
     embeddings, made on the first stage and read by no later stage)."""
 
     skip_to = None  # also add the embeddings before this block (a skip to a middle stage)
@@ -34,10 +34,11 @@ class SkipGPT(GPT):
         emb = self.wte(idx)
         early = emb.pow(2).mean(-1)  # computed here, so it is in the first stage (stages are contiguous in this order)
         x0 = self.drop(emb + self.wpe(pos))
+        flat = x0.flatten(0, 1)  # (batch * seq, d): seq rows a sample on the wire to the last stage
         x = x0
         for k, block in enumerate(self.blocks):
             x = block(x + x0 if k == self.skip_to else x)
-        return self.lm_head(self.ln_f(x + x0)), early
+        return self.lm_head(self.ln_f(x + flat.view_as(x))), early
 
 
 def skip_loss(output, target):
