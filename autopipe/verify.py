@@ -314,7 +314,7 @@ def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
     except Exception:  # noqa: BLE001
         return {}
     infos = zip(program.traced.output_positions, map(program.plan.tensors.get, program.plan.graph_outputs))
-    return {position: info for position, info in infos if info is not None and info.kind == "tensor" and (not info.shape or info.merges)}
+    return {position: info for position, info in infos if info is not None and info.kind == "tensor" and info.merges}
 
 
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:

@@ -138,6 +138,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
     merges = _scalar_merges(gm, costed.traced.static_batch is not None)
     together = _samples_together(gm)
+    paired = _samples_paired(gm)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -152,7 +153,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together)
+            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together, paired.get(n))
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -360,6 +361,17 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
+def _samples_paired(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each value computed from one that holds the batch in two dims (trace's "pairs_samples": contrastive logits
+    u @ v.T, in-batch negatives) -> that value: micro-batches see only their own samples' pairs."""
+    paired: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        source = n if n.meta.get("pairs_samples") else next((paired[a] for a in n.all_input_nodes if a in paired), None)
+        if source is not None:
+            paired[n] = source
+    return paired
+
+
 def _from_batch(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes computed from the batch inputs."""
     found: set[fx.Node] = set()
@@ -376,9 +388,10 @@ def rows_per_sample(n: Any) -> int:
 
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool) -> TensorInfo:
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, paired: fx.Node | None) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows
-    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together does not merge: refused."""
+    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together, or one computed from
+    pairs of samples, does not merge: refused."""
     val = n.meta.get("val")
     kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 0
     if isinstance(val, torch.Tensor):
@@ -388,4 +401,5 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: s
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer, consumers=tuple(consumers),
-                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=rows == 1 or rows > 1 and together, scalar_merge=scalar_merge)
+                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=(not shape or rows == 1 or rows > 1 and together) and paired is None,
+                      pairs_samples=paired.name if paired is not None else "", scalar_merge=scalar_merge)
