@@ -68,9 +68,10 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
                       f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
                       f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
-                      f"hand does, which is the plain model's value only where every micro-batch weighs the same "
-                      f"(no ignored targets); a loss summed and divided by the whole batch's count (Hugging Face's "
-                      f"num_items_in_batch) merges exactly"
+                      f"hand does: the plain model's value only for a mean over samples that weigh the same in every "
+                      f"micro-batch (no ignored targets), not for a product of batch means (a load-balancing loss); "
+                      f"a loss summed and divided by the whole batch's count (Hugging Face's num_items_in_batch) "
+                      f"merges exactly"
                       for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
     return plan
 
