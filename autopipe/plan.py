@@ -24,7 +24,7 @@ class TensorInfo:
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
     rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch at any batch (a (batch * seq, ...) tensor: seq); 0: not the batch
     merges: bool = True         # an output whose micro-batch parts concatenate to the plain value (each sample's rows together)
-    pairs_samples: str = ""     # the node it is computed from that holds the batch in two dims (u @ v.T of two batches)
+    mixes_samples: tuple[str, ...] = ()  # (the node it is computed from that mixes samples, how): u @ v.T of two batches
     scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum" or "unknown"
 
     @property

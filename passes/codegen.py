@@ -105,12 +105,11 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
     facts = _GraphFacts(graph_module)
     for name in plan.graph_outputs if plan.chunks > 1 else ():
         info = plan.tensors.get(name)
-        if info is not None and info.pairs_samples:
-            raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) is computed from "
-                             f"{_where(facts.nodes[info.pairs_samples])}, which holds the batch in two dims: it pairs the samples "
-                             f"(contrastive logits u @ v.T, in-batch negatives), and a micro-batch sees only its own samples' pairs, "
-                             f"so no merge of what {plan.chunks} micro-batches give is the plain model's value; compute it outside "
-                             f"the model from per-sample outputs, or run with chunks=1")
+        if info is not None and info.mixes_samples:
+            source, how = info.mixes_samples
+            raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) is computed from {_where(facts.nodes[source])}, "
+                             f"which {how}; a micro-batch holds only its own samples, so no merge of what {plan.chunks} micro-batches "
+                             f"give is the plain model's value; compute it outside the model from per-sample outputs, or run with chunks=1")
         if info is not None and info.kind == "tensor" and info.shape and not info.merges:
             raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
                              f"does not hold the batch as whole samples (a value over the batch, or several rows a sample that autopipe "

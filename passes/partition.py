@@ -139,7 +139,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
     merges = _scalar_merges(gm, costed.traced.static_batch is not None)
     together = _samples_together(gm)
-    paired = _samples_paired(gm)
+    mixed = _samples_mixed(gm)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -154,7 +154,7 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together, paired.get(n))
+            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together, mixed.get(n, ()))
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -362,15 +362,23 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
-def _samples_paired(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """Each value computed from one that holds the batch in two dims (trace's "pairs_samples": contrastive logits
-    u @ v.T, in-batch negatives) -> that value: micro-batches see only their own samples' pairs."""
-    paired: dict[fx.Node, fx.Node] = {}
+def _samples_mixed(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
+    """Each value computed from one that mixes samples -> (that node, how): a value holding the batch in two dims
+    (trace's "pairs_samples": contrastive logits u @ v.T, in-batch negatives), or a reshape into rows of samples of a
+    value whose dim 0 is not the batch (row-major order then puts parts of several samples in a row: a view with the
+    batch size written in, a flatten of a sequence-first tensor). Micro-batches cannot give these."""
+    from_batch, mixed = _from_batch(gm), {}
     for n in gm.graph.nodes:
-        source = n if n.meta.get("pairs_samples") else next((paired[a] for a in n.all_input_nodes if a in paired), None)
-        if source is not None:
-            paired[n] = source
-    return paired
+        source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
+        if n.meta.get("pairs_samples"):
+            mixed[n] = (n.name, "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)")
+        elif (op_name(n.target) in _RESHAPES and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
+              and isinstance(v := source.meta.get("val"), torch.Tensor) and v.dim() and v.shape[0] > 1):
+            mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
+                                f"parts of several samples (a view with the batch size written in, a flatten of a sequence-first tensor)")
+        elif source := next((a for a in n.all_input_nodes if a in mixed), None):
+            mixed[n] = mixed[source]
+    return mixed
 
 
 def _from_batch(gm: fx.GraphModule) -> set[fx.Node]:
@@ -389,10 +397,10 @@ def rows_per_sample(n: Any) -> int:
 
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, paired: fx.Node | None) -> TensorInfo:
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, mixed: tuple[str, ...]) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows
     a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together, or one computed from
-    pairs of samples, does not merge: refused."""
+    a value that mixes samples, does not merge: refused."""
     val = n.meta.get("val")
     kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 0
     if isinstance(val, torch.Tensor):
@@ -402,5 +410,5 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: s
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer, consumers=tuple(consumers),
-                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=(not shape or rows == 1 or rows > 1 and together) and paired is None,
-                      pairs_samples=paired.name if paired is not None else "", scalar_merge=scalar_merge)
+                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=(not shape or rows == 1 or rows > 1 and together) and not mixed,
+                      mixes_samples=mixed, scalar_merge=scalar_merge)

@@ -382,7 +382,7 @@ def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
     run again on fake inputs one row larger tells: dim 0 grows by k rows and no other dim changes. So a feature count
     that is a multiple of the batch, a transposed sequence dim that equals it, CLIP's batch x batch logits get 0, not
     the rows an int comparison would see. A graph of one static batch size has only its batch tensors (k = 1).
-    node.meta["pairs_samples"]: the batch is in two dims, or a dim grows otherwise than by whole samples."""
+    node.meta["pairs_samples"]: the batch is in two dims."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     grown: dict[fx.Node, Any] = {}
     if dynamic:
@@ -398,8 +398,7 @@ def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
             if k > 1 and not dynamic or dynamic and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
                 k = 0  # in a static graph, what looks like k rows a sample may hold more samples' elements than k rows do
             n.meta["rows_per_sample"] = k
-            growing = [(a, b) for a, b in zip(val.shape, grown[n].shape) if a != b] if dynamic else []
-            if len(growing) > 1 or any(a % batch or b != a // batch * (batch + 1) for a, b in growing):
+            if dynamic and sum(a != b for a, b in zip(val.shape, grown[n].shape)) > 1:
                 n.meta["pairs_samples"] = True  # u @ v.T of two batches (contrastive logits): the batch in two dims
         elif isinstance(val, int) and dynamic and grown[n] != val:
             n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches

@@ -474,6 +474,50 @@ def test_batch_by_batch_logits_are_refused_not_returned_in_the_wrong_shape(speci
     assert autopipe.compile(model, devices=["cpu"] * 2, chunks=1)(a, b).shape == (4, 4)
 
 
+class SamplesMixed(nn.Module):
+    """A reshape into rows of samples of a value whose dim 0 is not the batch: each row holds parts of several
+    samples. ``how="sequence_first"`` flattens a (seq, batch, d) tensor; ``"batch_written_in"`` views with the
+    example's batch size as a number; ``"legit"`` moves the batch out of dim 0 and back the ways attention code
+    does (seq-first nn.TransformerEncoderLayer, heads first, a leading dim of one), which must still pipeline."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a = how, nn.Linear(8, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=False)
+
+    def forward(self, x):  # x: (batch 4, seq 3, 8)
+        h = self.a(x)
+        if self.how == "sequence_first":
+            return h.transpose(0, 1).reshape(x.shape[0], -1)
+        if self.how == "batch_written_in":
+            return h.view(4, -1).softmax(-1).view(-1, 3, 8)
+        h = self.layer(h.transpose(0, 1)).transpose(0, 1)                    # (seq, batch, d) inside
+        heads = h.view(x.shape[0], 3, 2, 4).permute(2, 0, 1, 3).reshape(-1, 3, 4)  # (heads * batch, seq, 4)
+        h = (heads.softmax(-1) @ heads.transpose(1, 2) @ heads).view(2, x.shape[0], 3, 4).permute(1, 2, 0, 3).reshape(x.shape[0], 3, 8)
+        return h.unsqueeze(0).squeeze(0) + h
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("how", ["sequence_first", "batch_written_in"])
+def test_rows_of_samples_reshaped_from_another_layout_are_refused(how, route):
+    x = torch.randn(4, 3, 8, dtype=torch.double)
+    with pytest.raises(ValueError, match="whose dim 0 is not the batch, into rows of samples"):
+        autopipe.compile(SamplesMixed(how).double(), devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(x,))
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_the_batch_moved_out_of_dim_0_and_back_by_attention_code_still_pipelines(route):
+    torch.manual_seed(0)
+    model = SamplesMixed("legit").double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, dtype=torch.double)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=2, route=route)
+    pipe(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 class ContrastiveLoss(nn.Module):
     """CLIP's loss inside the model: cross-entropy over batch x batch similarities, each sample's positive on the
     diagonal. A micro-batch contrasts its samples only with each other: its mean is not the plain model's loss."""
