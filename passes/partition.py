@@ -370,14 +370,14 @@ def _samples_mixed(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
     from_batch, mixed = _from_batch(gm), {}
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
-        if n.meta.get("pairs_samples"):
+        if mixed_input := next((a for a in n.all_input_nodes if a in mixed), None):  # named by the first that mixes
+            mixed[n] = mixed[mixed_input]
+        elif n.meta.get("pairs_samples"):
             mixed[n] = (n.name, "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)")
         elif (op_name(n.target) in _RESHAPES and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
               and isinstance(v := source.meta.get("val"), torch.Tensor) and v.dim() and v.shape[0] > 1):
             mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
                                 f"parts of several samples (a view with the batch size written in, a flatten of a sequence-first tensor)")
-        elif source := next((a for a in n.all_input_nodes if a in mixed), None):
-            mixed[n] = mixed[source]
     return mixed
 
 
