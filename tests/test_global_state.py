@@ -1,6 +1,6 @@
 """autopipe/global_state.py: whatever a compiler pass changes in torch's global state, the guard puts
-back, whether the pass returns or raises; and a real leak (a Hugging Face LLaMA's ``@torch.no_grad()``
-rotary embedding, exported as torch's ``wrap_with_set_grad_enabled`` op) is caught."""
+back, whether the pass returns or raises; and a real leak (a ``@torch.no_grad()`` rotary embedding, as
+Hugging Face's LLaMA had, exported as torch's ``wrap_with_set_grad_enabled`` op) is caught."""
 from __future__ import annotations
 
 import random
@@ -268,15 +268,34 @@ def test_llama_traced_by_export_leaves_grad_mode_on():
     assert traced.route == "export"
 
 
-def test_llama_graph_leaks_grad_mode_off_without_the_guard_and_not_with_it():
-    """The real leak: LlamaRotaryEmbedding.forward is @torch.no_grad(); export records it as
-    wrap_with_set_grad_enabled(False, body, ...), whose torch 2.13 implementation does not restore grad
-    mode when the body raises. Passes run graph nodes on fake inputs and catch failures (the cost pass
-    does, for flop counting): grad mode stays off in the caller unless guarded."""
+class NoGradRotary(torch.nn.Module):
+    """A rotary embedding whose forward is @torch.no_grad(), as Hugging Face's LlamaRotaryEmbedding was up to
+    transformers 5.23 (5.24 dropped the decorator), applied to a linear layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+    @torch.no_grad()
+    def angles(self, positions):
+        freqs = positions[..., None].float() * self.inv_freq
+        return torch.cat((freqs, freqs), dim=-1).cos()
+
+    def forward(self, x):  # x: (batch, seq, 8)
+        return self.proj(x) * self.angles(torch.arange(x.shape[1]))
+
+
+def test_a_no_grad_region_in_the_graph_leaks_grad_mode_off_without_the_guard_and_not_with_it():
+    """The real leak: export records a @torch.no_grad() region as wrap_with_set_grad_enabled(False, body, ...),
+    whose torch 2.13 implementation does not restore grad mode when the body raises. Passes run graph nodes on
+    fake inputs and catch failures (the cost pass does, for flop counting): grad mode stays off in the caller
+    unless guarded."""
     from autopipe.passes.trace import trace
 
-    model, ids = _tiny_llama()
-    traced = trace(model, (ids,), route="export")
+    with torch.random.fork_rng():  # random weights, without moving the generator the fixture checks
+        model, x = NoGradRotary(), torch.randn(4, 3, 8)
+    traced = trace(model, (x,), route="export")
     hops = [n for n in traced.graph_module.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
     assert hops, "the rotary embedding's no_grad is a wrap_with_set_grad_enabled node"
     node = hops[0]
