@@ -366,15 +366,16 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
     inputs' dim 0 (the batch) made that many rows."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:  # empty under the mode: fake, no memory
-        inputs = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta" if meta_params else t.device)
-                  if rows is not None and t.dim() else t.to("meta") if meta_params else t for t in flat_inputs]
+    inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
+    if rows is not None:  # empty on meta, or fake under the mode: no memory either way
+        with mode if not meta_params else contextlib.nullcontext():
+            inputs = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) if t.dim() else t for t in inputs]
     if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
             return
     with scalar_buffers_kept(gm):
-        FakeTensorProp(gm, mode).propagate(*inputs)  # real inputs become fake
+        FakeTensorProp(gm, mode).propagate(*inputs)
 
 
 def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int, dynamic: bool) -> None:
