@@ -14,7 +14,7 @@ from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
-from autopipe.passes.trace import BatchSpecialised, output_shapes, trace
+from autopipe.passes.trace import BatchSpecialised, output_facts, trace
 from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
@@ -157,12 +157,19 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
     """An output of a program exported at its micro-batch size whose other dims grow with the batch (CLIP's batch x batch logits, seen by
-    running the model on fake tensors at the whole batch) has no concatenation of micro-batch parts equal to it: refused before anything runs."""
-    whole = output_shapes(model, args, kwargs)
+    running the model on fake tensors at the whole batch), or computed from a value that holds the batch in two dims (a contrastive loss,
+    seen by a second run one row larger), has no merge of micro-batch parts equal to it: refused before anything runs."""
+    whole = output_facts(model, args, kwargs, batch)
+    for path, _, pairing in whole or ():
+        if pairing:
+            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two dims: it pairs the "
+                             f"samples (contrastive logits u @ v.T, in-batch negatives); a micro-batch holds only its own samples, so no "
+                             f"merge of the micro-batches' values is the plain model's; compute it outside the model from per-sample "
+                             f"outputs, or run with chunks=1")
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):
-            info, (path, shape) = plan.tensors.get(name), whole[position]
+            info, (path, shape, _) = plan.tensors.get(name), whole[position]
             if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
                 raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a micro-batch of "
                                  f"{traced.batch_size}: it mixes the rows of the batch, so no concatenation of the micro-batches' parts is the plain "

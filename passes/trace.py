@@ -338,19 +338,48 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
                 buffer.copy_(value)
 
 
-def output_shapes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, tuple | None]] | None:
-    """(path, shape) of each of the model's output leaves (shape None: not a tensor), run eagerly on fake inputs:
-    a model exported at its micro-batch size (static_batch) shows its outputs at that size alone. None where the
-    model cannot run on fake tensors."""
-    try:
-        with preserved_global_state(), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
-            out = register_dataclasses(model(*args, **kwargs))
-        with_paths = pytree.tree_flatten_with_path(out)[0]
-    except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
-        return None
-    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None) for path, t in with_paths]
+def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
+    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs: a model exported at
+    its micro-batch size (static_batch) shows its outputs at that size alone. Shape None: not a tensor. The pairing op
+    is the first op the leaf is computed from whose result holds the batch in two dims (contrastive logits), seen by a
+    second run one row larger with the same ops ("": none, or the runs differ). None where the model cannot run on
+    fake tensors."""
+    runs = []
+    for rows in (batch, batch + 1):
+        try:
+            with preserved_global_state(), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
+                    FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and t.dim() and t.shape[0] == batch else t  # noqa: E731
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
+                with _OpRecorder() as ops:
+                    out = register_dataclasses(model(*fake_args, **fake_kwargs))
+            runs.append((pytree.tree_flatten_with_path(out)[0], ops.ops))
+        except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
+            if not runs:
+                return None
+    (with_paths, ops), mixed = runs[0], {}
+    if len(runs) == 2 and [op[0] for op in ops] == [op[0] for op in runs[1][1]]:
+        for (func, inputs, outputs), (_, _, grown) in zip(ops, runs[1][1]):
+            source = next((mixed[id(t)] for t in inputs if id(t) in mixed), None)
+            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1 for a, b in zip(outputs, grown)):
+                source = str(func)
+            mixed.update((id(t), source) for t in outputs if source)
+    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None, mixed.get(id(t), ""))
+            for path, t in with_paths]
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Each aten op with its tensor inputs and outputs, kept alive so that their ids stay theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
+        self.ops.append((func, tensors((args, kwargs)), tensors(out)))
+        return out
 
 
 class _MetaProp(fx.Interpreter):
