@@ -137,9 +137,10 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
-    merges = _scalar_merges(gm, costed.traced.static_batch is not None)
-    together = _samples_together(gm)
-    mixed = _samples_mixed(gm)
+    from_batch = _from_batch(gm)
+    merges = _scalar_merges(gm, from_batch, costed.traced.static_batch is not None)
+    together = _samples_together(gm, from_batch)
+    mixed = _samples_mixed(gm, from_batch)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -193,12 +194,11 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
             "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
-def _scalar_merges(gm: fx.GraphModule, static: bool) -> dict[fx.Node, str]:
+def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node], static: bool) -> dict[fx.Node, str]:
     """How each 0-dim float output of the model merges over micro-batches: "mean" (a mean over samples, or no
     batch in it: the size-weighted mean), "sum" (a sum over samples, or one divided by a number the batch does
     not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown". ``static``: a graph exported at
     one micro-batch size, where a number may be that size."""
-    from_batch = _from_batch(gm)
 
     def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -270,14 +270,13 @@ _ROW_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.n
                 torch.nn.Identity, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid)
 
 
-def _samples_together(gm: fx.GraphModule) -> set[fx.Node]:
+def _samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.Node]:
     """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
     concatenate to the plain model's value: a reshape of a batch tensor (row-major order is kept: MoE router logits,
     ``logits.view(-1, V)``) or a row-wise op of one, whose other operands do not come from the batch (a statistic
     over the batch would mix the samples) and which no later write changes other than row by row. Nothing else is
     shown: torch.cat of batch tensors along dim 0 (two views of a batch), a flatten after a transpose
     (sequence-major) would come out with the rows permuted."""
-    from_batch = _from_batch(gm)
     together: set[fx.Node] = set()
     poisoned: set[fx.Node] = set()
 
@@ -362,12 +361,12 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
-def _samples_mixed(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
+def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
     """Each value computed from one that mixes samples -> (that node, how): a value holding the batch in two dims
     (trace's "pairs_samples": contrastive logits u @ v.T, in-batch negatives), or a reshape into rows of samples of a
     value whose dim 0 is not the batch (row-major order then puts parts of several samples in a row: a view with the
     batch size written in, a flatten of a sequence-first tensor). Micro-batches cannot give these."""
-    from_batch, mixed = _from_batch(gm), {}
+    mixed: dict[fx.Node, tuple[str, str]] = {}
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
         if mixed_input := next((a for a in n.all_input_nodes if a in mixed), None):  # named by the first that mixes

@@ -190,8 +190,9 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         traced.route, traced.static_batch = "export-static", static_batch
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
                             f"dimension): the model treats the batch size as a constant")
+    inputs = traced.flatten_inputs(arguments)
     try:
-        _propagate_fake_shapes(traced.graph_module, traced.flatten_inputs(arguments))
+        _propagate_fake_shapes(traced.graph_module, inputs)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
         raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
@@ -200,7 +201,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                          f"cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) "
                          f"with a masked mean) or run it outside the model") from e
     try:
-        _count_rows_per_sample(traced.graph_module, traced.flatten_inputs(arguments), traced.batch_size, static_batch is None)
+        _count_rows_per_sample(traced.graph_module, inputs, traced.batch_size, static_batch is None)
     except Exception as e:  # the graph runs at the traced batch size alone
         failed = re.search(r"While executing %(\w+)", str(e))
         node = next((n for n in traced.graph_module.graph.nodes if failed and n.name == failed.group(1)), None)
