@@ -221,6 +221,35 @@ def test_gradients_reach_parameters_only_through_the_backward_that_asks_for_them
             torch.testing.assert_close(p.grad, e, rtol=0, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("run", ["backward", "step"])
+def test_gradients_accumulate_over_backwards_and_a_post_accumulate_hook_runs_once_on_the_sum(run):
+    """Stages add into ``.grad`` as they go when nothing watches it (step.py, ``may_accumulate``): over two backwards
+    without zero_grad the sum is the plain model's. A post-accumulate hook alone (an optimizer stepping in backward)
+    must still run once per backward and see the whole gradient, not once per micro-batch."""
+    torch.manual_seed(0)
+    model, x = MLP().double(), torch.randn(16, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    seen = {"model": [], "plain": []}
+    for key, m in (("model", model), ("plain", plain)):
+        m.out.bias.register_post_accumulate_grad_hook(lambda p, key=key: seen[key].append(p.grad.clone()))
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    for _ in range(2):
+        plain(x).pow(2).mean().backward()
+        if run == "backward":
+            pipe(x).pow(2).mean().backward()
+        else:
+            pipe.step(x, target=None, loss_fn=lambda out, _: out.pow(2).mean())
+    assert len(seen["model"]) == len(seen["plain"]) == 2
+    for got, expected in zip(seen["model"], seen["plain"]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    model.out.bias._post_accumulate_grad_hooks = None  # nothing watches now: the stages add into .grad themselves
+    plain(x).pow(2).mean().backward()
+    pipe(x).pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+
+
 # -- 7. thread-local state follows the work ----------------------------------------------------
 
 @pytest.mark.parametrize("track_memory", [False, True])  # its own saved-tensor counter chains to the user's hooks
