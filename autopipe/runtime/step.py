@@ -5,7 +5,6 @@ stages)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -56,20 +55,6 @@ class Compiled:
         return cached[1]
 
     @property
-    def stages_may_accumulate(self) -> bool:
-        """Every stage on the CPU, without replicas, and no parameter in two stages (threads would order its sums):
-        then a stage's backward may add into ``.grad`` itself (a CUDA stage hands its gradients over: that is the
-        path that has run on a GPU)."""
-        cached = getattr(self, "_stages_may_accumulate", None)
-        if cached is None or cached[0] != len(self.programs):
-            owner: dict[int, int] = {}
-            runners = [r for program in self.programs.values() for r in program.runners]
-            ok = all(r.stage.device.type == "cpu" and not r.replicas for r in runners) and \
-                all(owner.setdefault(id(p), r.index) == r.index for r in runners for p in r.params)
-            self._stages_may_accumulate = cached = (len(self.programs), ok)
-        return cached[1]
-
-    @property
     def uses_rng(self) -> bool:
         return any(s.uses_rng for program in self.programs.values() for s in program.stages)
 
@@ -104,10 +89,7 @@ class _PipelineFunction(torch.autograd.Function):
             raise RuntimeError("the pipeline's backward can run once per forward; call the pipeline again "
                                "(retain_graph=True is not supported)")
         ctx.run = None
-        run.state.accumulate = bool(run.anchors) and run.anchors[0].whole_backward() and run.may_accumulate()
         input_grads, param_grads = run.backward(grad_outputs)
-        if run.state.accumulate:  # the stages added theirs into .grad
-            return (None, *input_grads, *[None] * len(run.anchors))
         return (None, *input_grads, *[anchor.deliver(param_grads) for anchor in run.anchors])
 
 
@@ -115,18 +97,17 @@ class _Anchor(torch.autograd.Function):
     """A persistent autograd node whose inputs are one device's trainable parameters, and whose output feeds every
     step's _PipelineFunction. A step's backward leaves the gradients in its box for the engine to take, tagged with
     its graph task: parameters made inputs of _PipelineFunction instead would cost the engine ~2 us each, every step.
-    Built once per parameter list and current stream (the stream the engine orders the gradients on). Its first
-    input is a probe leaf no user names, whose node only a plain ``backward()`` runs (Anchor.whole_backward)."""
+    Built once per parameter list and current stream (the stream the engine orders the gradients on)."""
 
     @staticmethod
-    def forward(ctx, box: "_Box", probe: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, box: "_Box", *params: torch.Tensor):
         ctx.box = box  # not the Anchor: its tensor holds this node, and the cycle would keep the parameters alive
         return torch.zeros((), device=params[0].device)
 
     @staticmethod
     def backward(ctx, _):
         (task, grads), ctx.box.left = ctx.box.left, (None, None)
-        return (None, None, *(grads if task == torch._C._current_graph_task_id() else [None] * ctx.box.count))
+        return (None, *(grads if task == torch._C._current_graph_task_id() else [None] * ctx.box.count))
 
 
 @dataclass
@@ -143,14 +124,8 @@ class Anchor:
         self.box = _Box(len(params))
         self.every = positions == list(range(len(positions)))  # all the step's parameters, in order: no reordering
         with torch.enable_grad():
-            self.tensor = _Anchor.apply(self.box, torch.zeros((), requires_grad=True), *params)
-        self.probe = self.tensor.grad_fn.next_functions[0][0]  # the probe leaf's AccumulateGrad node
+            self.tensor = _Anchor.apply(self.box, *params)
         self.zero = torch.zeros_like(self.tensor)
-
-    def whole_backward(self) -> bool:
-        """Inside a backward: whether it is ``backward()`` without ``inputs=``, which accumulates into every
-        parameter it reaches (autograd.grad and ``backward(inputs=...)`` run only the nodes on the way to theirs)."""
-        return torch._C._will_engine_execute_node(self.probe)
 
     def deliver(self, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
         """Leave this device's gradients for the anchor, if this backward runs it (not for autograd.grad(out, x)),
@@ -198,13 +173,6 @@ class _Run:
         self.inline = alone or bool(self.state.ambient.inline_reason)
         self.params = self._trainable() if training else []
         self.anchors: list[Anchor] = []  # pipe(x)'s, set by Pipeline.forward; pipe.step needs none
-
-    def may_accumulate(self) -> bool:
-        """Whether the stages' backward may add parameter gradients into ``.grad`` as it goes, as the plain model's
-        engine does, rather than hand them over (_Anchor, accumulate_grads): not where a parameter has gradient
-        hooks, which run once a step on its whole gradient."""
-        return self.compiled.stages_may_accumulate and not any(s.alias_slots for s in self.state.stages.values()) \
-            and not any(map(attrgetter("_post_accumulate_grad_hooks"), self.params))
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """The trainable parameters, each once, in stage order: the order of the step's gradient list."""
@@ -265,7 +233,6 @@ class _Run:
         loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,
                     weights=[s / self.batch for s in self.sizes], last_stage=self.compiled.plan.n_stages - 1)
         self._note_peaks()
-        self.state.accumulate = self.may_accumulate()
         self._execute(self.schedule, "FB", loss=loss)
         self._cuda_peaks()
         if self.state.deferred is not None:

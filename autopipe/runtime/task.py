@@ -2,8 +2,7 @@
 
 Re-materialisation (GPipe sec. 2.3) runs the first forward with grad mode on, so the recompute repeats the
 same kernels on the same inputs with the same generator seed: bit for bit. Parameter gradients come from
-``torch.autograd.grad`` and are summed in schedule order, or, where nothing else can tell (``StepState.accumulate``),
-go into ``.grad`` as in the plain model's backward. docs/architecture.md, "Runtime", has the why.
+``torch.autograd.grad`` and are summed in schedule order. docs/architecture.md, "Runtime", has the why.
 """
 from __future__ import annotations
 
@@ -67,10 +66,12 @@ class _Deliver(torch.autograd.Function):
 
 
 def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
-    """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad``, as ``loss.backward()`` would
-    (through the engine where a parameter has hooks)."""
+    """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad`` as ``loss.backward()`` would: through
+    the engine, so each hook runs once on the whole gradient, those on a parameter's AccumulateGrad node too (DDP's
+    reducer registers there; Python cannot see them). A CUDA parameter without a hook Python sees is added to directly,
+    the path that has run on a GPU."""
     pairs = [(p, g) for p, g in pairs if g is not None]
-    if any(p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in pairs):
+    if any(p.device.type == "cpu" or p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in pairs):
         with torch.enable_grad():
             _Deliver.apply([g for _, g in pairs], *[p for p, _ in pairs]).backward()
         return
@@ -133,7 +134,6 @@ class StepState:
     memory: MemoryReport | None = None        # saved-bytes accounting, only when asked (it hooks every save)
     deferred: DeferredStatistics | None = None
     stages: dict[int, "StageStep"] = field(default_factory=dict)  # by id of the StageRunner
-    accumulate: bool = False  # backward adds parameter gradients into .grad as it goes (step.py decides when)
 
     @classmethod
     def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
@@ -381,13 +381,11 @@ class StageRunner:
         with contextlib.nullcontext() if step.ambient.plain else contextlib.ExitStack() as stack:
             if stack is not None:
                 step.ambient.enter(stack, self.stage.device)
-            wrt = [saved.inputs[k] for k in wrt_inputs]
-            got = _accumulate(roots, grads, wrt) if step.accumulate else _grad(roots, grads, wrt + mine.wrt_params)
+            got = _grad(roots, grads, [saved.inputs[k] for k in wrt_inputs] + mine.wrt_params)
         step.timeline.end(begun, self.index, i, "backward", self.stage.device)
         for k, g in zip(wrt_inputs, got):
             input_grads[k] = g
-        if not step.accumulate:
-            _add_param_grads(mine, got[len(wrt_inputs):])
+        _add_param_grads(mine, got[len(wrt_inputs):])
         return input_grads
 
     def take_grads(self, step: StepState) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -402,14 +400,6 @@ def _grad(roots: list, grads: list, wrt: list) -> tuple:
     parameter): the engine call it ends in (torch/autograd/__init__.py, ``_engine_run_backward``)."""
     return torch.autograd.Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, tuple(wrt),
                                                                  True, False)
-
-
-def _accumulate(roots: list, grads: list, inputs: list) -> list:
-    """The plain model's ``backward()``: every leaf's gradient added into its ``.grad`` as the engine reaches it. No
-    capture: a capture makes the engine first mark the way to each captured tensor, ~0.2 us an autograd node.
-    The inputs are this task's own leaves, so theirs is whole."""
-    torch.autograd.Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
-    return [x.grad for x in inputs]
 
 
 def _add_param_grads(mine: StageStep, grads: tuple) -> None:
