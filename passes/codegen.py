@@ -19,6 +19,8 @@ from torch._ops import HigherOrderOperator, OpOverload
 import autopipe.random_ops as random_ops
 from autopipe.plan import Plan, StagePlan
 
+from .trace import node_where
+
 
 class Stage(fx.GraphModule):
     """``stage(*inputs) -> tuple(outputs)`` named by the plan; with ``uses_rng`` also ``generator=``."""
@@ -107,11 +109,11 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         info = plan.tensors.get(name)
         if info is not None and info.mixes_samples:
             source, how = info.mixes_samples
-            raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) is computed from {_where(facts.nodes[source])}, "
+            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) is computed from {node_where(facts.nodes[source])}, "
                              f"which {how}; a micro-batch holds only its own samples, so no merge of what {plan.chunks} micro-batches "
                              f"give is the plain model's value; compute it outside the model from per-sample outputs, or run with chunks=1")
         if info is not None and info.kind == "tensor" and info.shape and not info.merges:
-            raise ValueError(f"the model's output {name} ({_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
+            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
                              f"does not hold the batch as whole samples (a value over the batch, or several rows a sample that autopipe "
                              f"cannot show stay together: torch.cat of batch tensors along dim 0, a flatten after a transpose), so "
                              f"no concatenation of what {plan.chunks} micro-batches give is the plain model's value; return it per "
@@ -178,7 +180,7 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
     elif node.op == "call_function":  # a torch Python function that draws inside (F.gumbel_softmax)
         return "wrap", target, {}
     raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
-        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {_where(node)} draws random "
+        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random "
         f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
         f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use "
         f"an op that takes a generator (torch.rand, ...).")
@@ -369,9 +371,9 @@ class _GraphFacts:
                         # this stage sends, which is the write's result only for a tensor made here
                         elsewhere = u not in body_set or u in recomputed_elsewhere
                         if self.order[u] > self.order[w] and not (same and (m in own or not elsewhere)):
-                            reader = "the model's output" if u.op == "output" else f"{u.name} ({_where(u)})"
+                            reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
                             raise ValueError(
-                                f"stage {sp.index}: {w.name} ({_where(w)}) writes in place to {a.name}, whose value "
+                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value "
                                 f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor "
                                 f"it receives, so that read would not see the write. Write out of place there "
                                 f"(x = x + y rather than x += y, inplace=False), or move the cut.")
@@ -391,20 +393,6 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 (buffers if by_norm else written).append(value)
     return list({id(b): b for b in [*buffers, *written]}.values()), list({id(b): b for b in written}.values())
-
-
-def _where(node: fx.Node) -> str:
-    """The node's module path and the user's source line (its innermost frame outside torch), where traced."""
-    stack = node.meta.get("nn_module_stack")
-    path = list(stack.values())[-1][0] if stack else (node.target if node.op == "call_module" else "")
-    parts = [f"node {node.name}"] + ([f"module {path}"] if path else [])
-    # a frame is 'File "f.py", line 3, in forward' then, unless the file could not be read, its code
-    frames = re.findall(r'File "(.+)", line (\d+), in .*(?:\n(?!\s*File )\s*(.*))?', node.meta.get("stack_trace") or "")
-    frames = [f for f in frames if not f[0].startswith(os.path.dirname(torch.__file__))] or frames
-    if frames:
-        file, line, code = frames[-1]
-        parts.append(f"{file}:{line}: {code.strip()}" if code.strip() else f"{file}:{line}")
-    return ", ".join(parts)
 
 
 def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: list[fx.Node]) -> str:

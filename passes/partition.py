@@ -13,6 +13,7 @@ from autopipe.plan import Plan, StagePlan, TensorInfo
 from autopipe.random_ops import aten_overloads, bind, is_random_target, op_name, signature_of
 from .cost import CostedGraph
 from .cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+from .trace import node_where
 
 __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cuts"]
 
@@ -65,6 +66,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
     plan.notes.extend(notes)
+    plan.batch_statistics = _batch_statistics(costed.traced.graph_module) if chunks > 1 else []
     plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
                       f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
                       f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
@@ -378,6 +380,45 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
             mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
                                 f"parts of several samples (a view with the batch size written in, a flatten of a sequence-first tensor)")
     return mixed
+
+
+def _batch_statistics(gm: fx.GraphModule) -> list[str]:
+    """Batch rows combined with a statistic over the batch: ``h - h.mean(0)``, a batch norm written by hand, a whitening
+    by ``z.T @ z``. A statistic is a value computed from batch rows whose shape is the same at every batch size (trace's
+    ``batch_free``): the batch was reduced away. Each micro-batch computes it over its own samples, as BatchNorm does
+    (GPipe sec. 2.2), so the values are not the plain model's. Reported, not refused: a one-row-a-sample value is taken
+    as per-sample (docs/architecture.md, pitfalls), and routing code reads such numbers without mixing samples."""
+    statistic: dict[fx.Node, fx.Node] = {}  # a value without the batch -> the statistic it is computed from
+    readers: dict[fx.Node, fx.Node] = {}    # a statistic -> the first batch rows combined with it
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        source = next((statistic[a] for a in n.all_input_nodes if a in statistic), None)
+        if rows_per_sample(n) and source is not None:
+            readers.setdefault(source, n)
+        elif not _floating(n):  # counts and offsets (a grouped expert dispatch's histc, cumsum) only order the work
+            continue
+        elif not rows_per_sample(n) and source is not None:
+            statistic[n] = source
+        elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in n.all_input_nodes) and not _shape_only(n):
+            statistic[n] = n
+    return [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch "
+            f"computes it over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients "
+            f"are not the plain model's; compute it outside the model, or run with chunks=1" for s, user in readers.items()]
+
+
+def _floating(n: fx.Node) -> bool:
+    return isinstance(v := n.meta.get("val"), torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _shape_only(n: fx.Node) -> bool:
+    """An op that reads only its input's shape, dtype or device (``x.new_zeros(d)``, ``torch.zeros_like``)."""
+    name = op_name(n.target)
+    return name.startswith("new_") or name in _SHAPE_ONLY
+
+
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "arange", "zeros", "ones", "full", "empty",
+                         "scalar_tensor", "size", "sym_size", "dim", "numel", "sym_numel"})
 
 
 def _from_batch(gm: fx.GraphModule) -> set[fx.Node]:

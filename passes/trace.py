@@ -211,6 +211,20 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     return traced
 
 
+def node_where(node: fx.Node) -> str:
+    """The node's module path and the user's source line (its innermost frame outside torch), where traced."""
+    stack = node.meta.get("nn_module_stack")
+    path = list(stack.values())[-1][0] if stack else (node.target if node.op == "call_module" else "")
+    parts = [f"node {node.name}"] + ([f"module {path}"] if path else [])
+    # a frame is 'File "f.py", line 3, in forward' then, unless the file could not be read, its code
+    frames = re.findall(r'File "(.+)", line (\d+), in .*(?:\n(?!\s*File )\s*(.*))?', node.meta.get("stack_trace") or "")
+    frames = [f for f in frames if not f[0].startswith(os.path.dirname(torch.__file__))] or frames
+    if frames:
+        file, line, code = frames[-1]
+        parts.append(f"{file}:{line}: {code.strip()}" if code.strip() else f"{file}:{line}")
+    return ", ".join(parts)
+
+
 def _source_of(node: fx.Node | None) -> str:
     frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
     return f"; at {' '.join(f.strip() for f in frame)}" if frame else ""
@@ -413,7 +427,7 @@ def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
     run again on fake inputs one row larger tells: dim 0 grows by k rows and no other dim changes. So a feature count
     that is a multiple of the batch, a transposed sequence dim that equals it, CLIP's batch x batch logits get 0, not
     the rows an int comparison would see. A graph of one static batch size has only its batch tensors (k = 1).
-    node.meta["pairs_samples"]: the batch is in two dims."""
+    node.meta["pairs_samples"]: the batch is in two dims; node.meta["batch_free"]: its shape is the same at every batch size."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     grown: dict[fx.Node, Any] = {}
     if dynamic:
@@ -431,6 +445,8 @@ def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
             n.meta["rows_per_sample"] = k
             if dynamic and sum(a != b for a, b in zip(val.shape, grown[n].shape)) > 1:
                 n.meta["pairs_samples"] = True  # u @ v.T of two batches (contrastive logits): the batch in two dims
+            if dynamic and tuple(val.shape) == tuple(grown[n].shape):
+                n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
         elif isinstance(val, int) and dynamic and grown[n] != val:
             n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
 

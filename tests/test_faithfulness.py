@@ -661,3 +661,76 @@ def test_reductions_autopipe_must_not_misread(loss, features):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     else:
         assert "cannot read as a mean or a sum" in str(pipe.plan)
+
+
+# -- batch rows combined with a value over the whole batch ---------------------------------------
+
+class CentredRows(nn.Module):
+    """A batch norm written by hand: each row less the batch's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h - h.mean(0))
+
+
+class WhitenedRows(nn.Module):
+    """Rows multiplied by the batch's covariance, ``z.T @ z / n``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        z = self.a(x)
+        return self.b(z @ (z.T @ z / z.shape[0]))
+
+
+class PerSampleValues(nn.Module):
+    """Values over the batch that meet no batch rows: a BatchNorm module, a per-sample mean, a loss beside the rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.norm(self.a(x))
+        out = self.b(h - h.mean(1, keepdim=True))
+        return out, out.pow(2).mean()
+
+
+def _batch_warnings(model, x, route, chunks=2):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route, example_inputs=(x,))
+    return pipe, [str(w.message) for w in caught if "combined with a value over the whole batch" in str(w.message)]
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("model_cls", [CentredRows, WhitenedRows])
+def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, model_cls):
+    """GPipe's premise (a one-row-a-sample value is per-sample) does not hold here, and the pipeline's values are
+    not the plain model's: compile says so, naming both nodes, in a warning and in the plan; chunks=1 is exact."""
+    torch.manual_seed(0)
+    model, x = model_cls().double(), torch.randn(8, 8, dtype=torch.float64)
+    pipe, warned = _batch_warnings(model, x, route)
+    assert len(warned) == 1 and ("matmul" in warned[0] or "mean" in warned[0])
+    assert pipe.plan.batch_statistics == [m.removeprefix("autopipe: ") for m in warned]
+    assert "note: batch rows" in str(pipe.plan)
+    assert not torch.allclose(pipe(x), model(x), rtol=0, atol=1e-6)  # the warning is true
+    pipe, warned = _batch_warnings(model, x, route, chunks=1)
+    assert warned == [] and torch.allclose(pipe(x), model(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_values_over_the_batch_that_meet_no_batch_rows_are_not_warned_about(route):
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    for model in (PerSampleValues().train(), GPT(vocab=64, d=16, heads=2, layers=2, block=8)):
+        inputs = torch.randint(0, 64, (4, 8)) if isinstance(model, GPT) else x
+        assert _batch_warnings(model, inputs, route)[1] == []
+    assert _batch_warnings(RoutedTokens(), torch.randn(4, 5, 8), route)[1] == []
