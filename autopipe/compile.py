@@ -129,7 +129,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap)
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
-            for message in plan.batch_statistics:
+            for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
             plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks, options.virtual_stages, options.optimizer)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"

@@ -61,7 +61,7 @@ class Plan:
     tolerance: float
     shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied weights: name -> stages
     notes: list[str] = field(default_factory=list)
-    batch_statistics: list[str] = field(default_factory=list)  # batch rows combined with a value over the batch: warned at compile
+    across_micro_batches: list[str] = field(default_factory=list)  # batch rows that depend on other samples (h - h.mean(0), roll): warned at compile
     pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
     memory: Any = None    # autopipe.memory_model.PredictedMemory: each stage's predicted bytes
     choice: Any = None    # autopipe.memory_model.AutoChoice, when chunks/schedule/checkpoint were "auto"
@@ -125,7 +125,7 @@ class Plan:
         if self.pass_seconds:
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: " + ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items()))
         lines += [str(x) for x in (self.memory, self.choice) if x is not None]
-        lines.extend(f"note: {n}" for n in self.notes + self.batch_statistics)
+        lines.extend(f"note: {n}" for n in self.notes + self.across_micro_batches)
         return "\n".join(lines)
 
     __repr__ = __str__

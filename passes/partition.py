@@ -66,7 +66,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
     plan.notes.extend(notes)
-    plan.batch_statistics = _batch_statistics(costed.traced.graph_module) if chunks > 1 else []
+    plan.across_micro_batches = _across_micro_batches(costed.traced.graph_module) if chunks > 1 else []
     plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
                       f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
                       f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
@@ -382,17 +382,22 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
     return mixed
 
 
-def _batch_statistics(gm: fx.GraphModule) -> list[str]:
-    """Batch rows combined with a statistic over the batch: ``h - h.mean(0)``, a batch norm written by hand, a whitening
-    by ``z.T @ z``. A statistic is a value computed from batch rows whose shape is the same at every batch size (trace's
-    ``batch_free``): the batch was reduced away. Each micro-batch computes it over its own samples, as BatchNorm does
-    (GPipe sec. 2.2), so the values are not the plain model's. Reported, not refused: a one-row-a-sample value is taken
-    as per-sample (docs/architecture.md, pitfalls), and routing code reads such numbers without mixing samples."""
+def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
+    """Batch rows that depend on other samples, which a micro-batch does not hold: rows moved along the batch (flip,
+    roll), or combined with a statistic over the batch (``h - h.mean(0)``, a batch norm written by hand, a whitening by
+    ``z.T @ z``). A statistic is a floating value computed from batch rows whose shape is the same at every batch size
+    (trace's ``batch_free``): the batch was reduced away. Each micro-batch computes it over its own samples, as
+    BatchNorm does (GPipe sec. 2.2), so the values are not the plain model's. Reported, not refused: a one-row-a-sample
+    value is taken as per-sample (docs/architecture.md, pitfalls), and routing code reads such numbers without mixing."""
     statistic: dict[fx.Node, fx.Node] = {}  # a value without the batch -> the statistic it is computed from
     readers: dict[fx.Node, fx.Node] = {}    # a statistic -> the first batch rows combined with it
+    notes = []
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
+        if _reorders_batch(n):
+            notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
+                         f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
         source = next((statistic[a] for a in n.all_input_nodes if a in statistic), None)
         if rows_per_sample(n) and source is not None:
             readers.setdefault(source, n)
@@ -402,9 +407,27 @@ def _batch_statistics(gm: fx.GraphModule) -> list[str]:
             statistic[n] = source
         elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in n.all_input_nodes) and not _shape_only(n):
             statistic[n] = n
-    return [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch "
-            f"computes it over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients "
-            f"are not the plain model's; compute it outside the model, or run with chunks=1" for s, user in readers.items()]
+    return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each "
+                    f"micro-batch computes it over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values "
+                    f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1"
+                    for s, user in readers.items()]
+
+
+def _reorders_batch(n: fx.Node) -> bool:
+    """``torch.flip`` or ``torch.roll`` of batch rows along dim 0 (a roll without dims rolls the flattened tensor)."""
+    name, source = op_name(n.target), n.args[0] if n.args else None
+    if name not in ("flip", "roll") or not rows_per_sample(source):
+        return False
+    if name == "flip":  # torch.flip(x, (0,)), x.flip(0, 1), aten.flip(x, [0])
+        rest = n.kwargs.get("dims", n.args[1:])
+        dims = rest[0] if isinstance(rest, tuple) and len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+    else:
+        dims = n.kwargs.get("dims", n.args[2] if len(n.args) > 2 else None)
+        if dims is None or dims == []:
+            return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    ndim = source.meta["val"].dim()
+    return any(isinstance(d, int) and d % ndim == 0 for d in dims)
 
 
 def _floating(n: fx.Node) -> bool:

@@ -689,8 +689,21 @@ class WhitenedRows(nn.Module):
         return self.b(z @ (z.T @ z / z.shape[0]))
 
 
+class RolledRows(nn.Module):
+    """Each row paired with the next sample's (negatives by shifting the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * h.roll(1, 0))
+
+
 class PerSampleValues(nn.Module):
-    """Values over the batch that meet no batch rows: a BatchNorm module, a per-sample mean, a loss beside the rows."""
+    """Values over the batch that meet no batch rows: a BatchNorm module, a per-sample mean, a sequence flipped, a loss
+    beside the rows."""
 
     def __init__(self):
         super().__init__()
@@ -698,7 +711,7 @@ class PerSampleValues(nn.Module):
 
     def forward(self, x):
         h = self.norm(self.a(x))
-        out = self.b(h - h.mean(1, keepdim=True))
+        out = self.b(h - h.mean(1, keepdim=True) + h.flip(1))
         return out, out.pow(2).mean()
 
 
@@ -707,20 +720,20 @@ def _batch_warnings(model, x, route, chunks=2):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route, example_inputs=(x,))
-    return pipe, [str(w.message) for w in caught if "combined with a value over the whole batch" in str(w.message)]
+    return pipe, [str(w.message) for w in caught if any(m in str(w.message) for m in ("over the whole batch", "along the batch dim"))]
 
 
 @pytest.mark.parametrize("route", ["fx", "export"])
-@pytest.mark.parametrize("model_cls", [CentredRows, WhitenedRows])
-def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, model_cls):
+@pytest.mark.parametrize("model_cls, culprit", [(CentredRows, "mean"), (WhitenedRows, "matmul"), (RolledRows, "roll")])
+def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, model_cls, culprit):
     """GPipe's premise (a one-row-a-sample value is per-sample) does not hold here, and the pipeline's values are
-    not the plain model's: compile says so, naming both nodes, in a warning and in the plan; chunks=1 is exact."""
+    not the plain model's: compile says so, naming the nodes, in a warning and in the plan; chunks=1 is exact."""
     torch.manual_seed(0)
     model, x = model_cls().double(), torch.randn(8, 8, dtype=torch.float64)
     pipe, warned = _batch_warnings(model, x, route)
-    assert len(warned) == 1 and ("matmul" in warned[0] or "mean" in warned[0])
-    assert pipe.plan.batch_statistics == [m.removeprefix("autopipe: ") for m in warned]
-    assert "note: batch rows" in str(pipe.plan)
+    assert len(warned) == 1 and f"node {culprit}" in warned[0]
+    assert pipe.plan.across_micro_batches == [m.removeprefix("autopipe: ") for m in warned]
+    assert f"note: {pipe.plan.across_micro_batches[0]}" in str(pipe.plan)
     assert not torch.allclose(pipe(x), model(x), rtol=0, atol=1e-6)  # the warning is true
     pipe, warned = _batch_warnings(model, x, route, chunks=1)
     assert warned == [] and torch.allclose(pipe(x), model(x), rtol=0, atol=1e-12)
