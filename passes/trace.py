@@ -8,6 +8,7 @@ import inspect
 import itertools
 import keyword
 import linecache
+import operator
 import os
 import re
 import threading
@@ -200,6 +201,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                          f"indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to "
                          f"cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) "
                          f"with a masked mean) or run it outside the model") from e
+    _unpack_sequence_outputs(traced)
     try:
         _count_rows_per_sample(traced.graph_module, inputs, traced.batch_size, static_batch is None)
     except Exception as e:  # the graph runs at the traced batch size alone
@@ -403,6 +405,29 @@ class _MetaProp(fx.Interpreter):
     def run_node(self, n: fx.Node):
         n.meta["val"] = super().run_node(n)
         return n.meta["val"]
+
+
+def _unpack_sequence_outputs(traced: TracedModel) -> None:
+    """An output that is one fx value holding several tensors (``return torch.split(h, [3, 5], -1)``: fx cannot see
+    into it while tracing) becomes one getitem node per tensor, so every flat output is a tensor to merge."""
+    gm = traced.graph_module
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(output.args[0])
+    if not any(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (tuple, list)) for n in flat):
+        return
+    for k, n in enumerate(flat):
+        if isinstance(n, fx.Node) and isinstance(values := n.meta.get("val"), (tuple, list)):
+            with gm.graph.inserting_before(output):
+                items = [gm.graph.call_function(operator.getitem, (n, j)) for j in range(len(values))]
+            for item, value in zip(items, values):
+                item.meta = {**{key: n.meta[key] for key in ("stack_trace", "nn_module_stack") if key in n.meta}, "val": value}
+            flat[k] = tuple(items)
+    leaves, traced.output_spec = pytree.tree_flatten(pytree.tree_unflatten(
+        _fill(traced.output_leaves, traced.output_positions, flat), traced.output_spec))
+    traced.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
+    traced.output_leaves = [None if i in traced.output_positions else leaf for i, leaf in enumerate(leaves)]
+    output.args = (tuple(leaves[i] for i in traced.output_positions),)
+    gm.recompile()
 
 
 def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], rows: int | None = None) -> None:

@@ -747,3 +747,33 @@ def test_values_over_the_batch_that_meet_no_batch_rows_are_not_warned_about(rout
         inputs = torch.randint(0, 64, (4, 8)) if isinstance(model, GPT) else x
         assert _batch_warnings(model, inputs, route)[1] == []
     assert _batch_warnings(RoutedTokens(), torch.randn(4, 5, 8), route)[1] == []
+
+
+class SplitOutputs(nn.Module):
+    """Returns torch.split's and chunk's tuples as they are: to fx each is one value until shapes are known."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"parts": torch.split(h, [3, 5], dim=-1), "halves": h.chunk(2, dim=1), "h": h}
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_an_output_tuple_made_by_one_op_merges_tensor_by_tensor(route):
+    """fx's split node held the whole tuple as one output, and the merge failed with AttributeError."""
+    torch.manual_seed(0)
+    model, x = SplitOutputs().double(), torch.randn(4, 3, 8, dtype=torch.float64)
+    pipe = autopipe.compile(model, devices=2, chunks=2, route=route)
+    got, expected = pipe(x), model(x)
+    assert [t.shape for t in got["parts"] + got["halves"]] == [t.shape for t in expected["parts"] + expected["halves"]]
+    for g, e in zip(got["parts"] + got["halves"] + (got["h"],), expected["parts"] + expected["halves"] + (expected["h"],)):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+    sum(t.pow(2).sum() for t in got["parts"] + got["halves"]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    sum(t.pow(2).sum() for t in expected["parts"] + expected["halves"]).backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-12)
