@@ -398,6 +398,11 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
         if _reorders_batch(n):
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
+        if rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and \
+                (size := next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")), None)) is not None:
+            notes.append(f"{node_where(n)} computes batch rows with {size.name}, a number set by the batch size (x.shape[0]): "
+                         f"each micro-batch uses its own, so values and gradients are not the plain model's; pass it in, or run "
+                         f"with chunks=1")
         source = next((statistic[a] for a in n.all_input_nodes if a in statistic), None)
         if rows_per_sample(n) and source is not None:
             readers.setdefault(source, n)
@@ -428,6 +433,10 @@ def _reorders_batch(n: fx.Node) -> bool:
     dims = [dims] if isinstance(dims, int) else list(dims)
     ndim = source.meta["val"].dim()
     return any(isinstance(d, int) and d % ndim == 0 for d in dims)
+
+
+_ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "div", "floordiv", "pow", "rsub", "iadd", "isub", "imul", "itruediv",
+                         "add_", "sub_", "mul_", "div_", "addcmul", "addcdiv", "lerp", "clamp", "where"})
 
 
 def _floating(n: fx.Node) -> bool:

@@ -701,6 +701,18 @@ class RolledRows(nn.Module):
         return self.b(h * h.roll(1, 0))
 
 
+class ScaledByBatch(nn.Module):
+    """Rows scaled by the batch size, which each micro-batch reads as its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * h.shape[0])
+
+
 class PerSampleValues(nn.Module):
     """Values over the batch that meet no batch rows: a BatchNorm module, a per-sample mean, a sequence flipped, a loss
     beside the rows."""
@@ -710,9 +722,9 @@ class PerSampleValues(nn.Module):
         self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
 
     def forward(self, x):
-        h = self.norm(self.a(x))
+        h = self.norm(self.a(x)).view(x.shape[0], -1)  # the batch size as a shape: no arithmetic with it
         out = self.b(h - h.mean(1, keepdim=True) + h.flip(1))
-        return out, out.pow(2).mean()
+        return out, out.pow(2).sum() / x.shape[0]
 
 
 def _batch_warnings(model, x, route, chunks=2):
@@ -720,11 +732,11 @@ def _batch_warnings(model, x, route, chunks=2):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route, example_inputs=(x,))
-    return pipe, [str(w.message) for w in caught if any(m in str(w.message) for m in ("over the whole batch", "along the batch dim"))]
+    return pipe, [str(w.message) for w in caught if any(m in str(w.message) for m in ("over the whole batch", "along the batch dim", "set by the batch size"))]
 
 
 @pytest.mark.parametrize("route", ["fx", "export"])
-@pytest.mark.parametrize("model_cls, culprit", [(CentredRows, "mean"), (WhitenedRows, "matmul"), (RolledRows, "roll")])
+@pytest.mark.parametrize("model_cls, culprit", [(CentredRows, "mean"), (WhitenedRows, "matmul"), (RolledRows, "roll"), (ScaledByBatch, "mul")])
 def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, model_cls, culprit):
     """GPipe's premise (a one-row-a-sample value is per-sample) does not hold here, and the pipeline's values are
     not the plain model's: compile says so, naming the nodes, in a warning and in the plan; chunks=1 is exact."""
