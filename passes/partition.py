@@ -66,7 +66,6 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
     plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
     plan.notes.extend(notes)
-    plan.across_micro_batches = _across_micro_batches(costed.traced.graph_module) if chunks > 1 else []
     plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
                       f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
                       f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
@@ -179,7 +178,8 @@ def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chu
         stages=stages, tensors=tensors, graph_inputs=[p.name for p in placeholders], graph_outputs=[a.name for a in output_args],
         chunks=chunks, balance=balance if isinstance(balance, str) else f"shares {list(balance)}", route=costed.traced.route,
         lower_bound=max(sum(weights) / n_stages, max(weights, default=0.0)), optimum=optimum, tolerance=tolerance,
-        shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)})
+        shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)},
+        across_micro_batches=_across_micro_batches(gm) if chunks > 1 else [])
 
 
 _LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",

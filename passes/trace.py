@@ -99,10 +99,16 @@ class TracedModel:
         """``fn`` called as the traced call with ``tensors`` (proxies while tracing), its output's structure kept."""
         arguments = pytree.tree_unflatten(_fill(self.input_leaves, self.tensor_positions, tensors), self.input_spec)
         bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
-        leaves, self.output_spec = pytree.tree_flatten(register_dataclasses(fn(*bound.args, **bound.kwargs)))
-        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves):
+        output = register_dataclasses(fn(*bound.args, **bound.kwargs))
+        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves(output)):
             raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
-        self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, fx.Proxy))]
+        return self.keep_output_structure(output, (torch.Tensor, fx.Proxy))
+
+    def keep_output_structure(self, output: Any, value_types: tuple[type, ...]) -> tuple:
+        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept
+        for rebuild_output."""
+        leaves, self.output_spec = pytree.tree_flatten(output)
+        self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
         return tuple(leaves[i] for i in self.output_positions)
 
@@ -422,11 +428,7 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
             for item, value in zip(items, values):
                 item.meta = {**{key: n.meta[key] for key in ("stack_trace", "nn_module_stack") if key in n.meta}, "val": value}
             flat[k] = tuple(items)
-    leaves, traced.output_spec = pytree.tree_flatten(pytree.tree_unflatten(
-        _fill(traced.output_leaves, traced.output_positions, flat), traced.output_spec))
-    traced.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
-    traced.output_leaves = [None if i in traced.output_positions else leaf for i, leaf in enumerate(leaves)]
-    output.args = (tuple(leaves[i] for i in traced.output_positions),)
+    output.args = (traced.keep_output_structure(traced.rebuild_output(flat), (fx.Node,)),)
     gm.recompile()
 
 

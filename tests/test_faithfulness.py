@@ -1,5 +1,6 @@
 """Issue 13's failure classes, each on a real model: the plain model's gradients, or a clear refusal."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -665,52 +666,23 @@ def test_reductions_autopipe_must_not_misread(loss, features):
 
 # -- batch rows combined with a value over the whole batch ---------------------------------------
 
-class CentredRows(nn.Module):
-    """A batch norm written by hand: each row less the batch's mean."""
+class BatchRowsThrough(nn.Module):
+    """Linear, ``across`` on the batch rows, Linear: ``across`` reads other samples' rows or the batch size."""
 
-    def __init__(self):
+    def __init__(self, across):
         super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.a, self.b, self.across = nn.Linear(8, 8), nn.Linear(8, 4), across
 
     def forward(self, x):
-        h = self.a(x)
-        return self.b(h - h.mean(0))
+        return self.b(self.across(self.a(x)))
 
 
-class WhitenedRows(nn.Module):
-    """Rows multiplied by the batch's covariance, ``z.T @ z / n``."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        z = self.a(x)
-        return self.b(z @ (z.T @ z / z.shape[0]))
-
-
-class RolledRows(nn.Module):
-    """Each row paired with the next sample's (negatives by shifting the batch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(h * h.roll(1, 0))
-
-
-class ScaledByBatch(nn.Module):
-    """Rows scaled by the batch size, which each micro-batch reads as its own."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(h * h.shape[0])
+ACROSS_THE_BATCH = {  # how the rows depend on other micro-batches -> the node compile names
+    "centred (a batch norm by hand)": (lambda h: h - h.mean(0), "mean"),
+    "whitened by the batch covariance": (lambda h: h @ (h.T @ h / h.shape[0]), "matmul"),
+    "paired with the next sample": (lambda h: h * h.roll(1, 0), "roll"),
+    "scaled by the batch size": (lambda h: h * h.shape[0], "mul"),
+}
 
 
 class PerSampleValues(nn.Module):
@@ -728,7 +700,6 @@ class PerSampleValues(nn.Module):
 
 
 def _batch_warnings(model, x, route, chunks=2):
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route, example_inputs=(x,))
@@ -736,12 +707,13 @@ def _batch_warnings(model, x, route, chunks=2):
 
 
 @pytest.mark.parametrize("route", ["fx", "export"])
-@pytest.mark.parametrize("model_cls, culprit", [(CentredRows, "mean"), (WhitenedRows, "matmul"), (RolledRows, "roll"), (ScaledByBatch, "mul")])
-def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, model_cls, culprit):
+@pytest.mark.parametrize("how", list(ACROSS_THE_BATCH))
+def test_batch_rows_combined_with_a_value_over_the_batch_are_warned_about_at_compile(route, how):
     """GPipe's premise (a one-row-a-sample value is per-sample) does not hold here, and the pipeline's values are
     not the plain model's: compile says so, naming the nodes, in a warning and in the plan; chunks=1 is exact."""
     torch.manual_seed(0)
-    model, x = model_cls().double(), torch.randn(8, 8, dtype=torch.float64)
+    across, culprit = ACROSS_THE_BATCH[how]
+    model, x = BatchRowsThrough(across).double(), torch.randn(8, 8, dtype=torch.float64)
     pipe, warned = _batch_warnings(model, x, route)
     assert len(warned) == 1 and f"node {culprit}" in warned[0]
     assert pipe.plan.across_micro_batches == [m.removeprefix("autopipe: ") for m in warned]
