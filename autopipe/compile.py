@@ -114,9 +114,8 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None) -> Compiled:
-    """trace -> cost -> partition (-> codegen with ``generate``) under ``preserved_global_state``; a model that specialises on the
-    batch size is traced once per micro-batch size. ``before_codegen(plan)``: where compile places parameters on their stages'
-    devices and the torchrun runtime materialises its meta weights."""
+    """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per micro-batch size.
+    ``before_codegen(plan)``: where compile places parameters on their stages' devices and the torchrun runtime materialises its meta weights."""
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)
 
@@ -159,16 +158,14 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
-    """An output of a program exported at its micro-batch size whose other dims grow with the batch (CLIP's batch x batch logits, seen by
-    running the model on fake tensors at the whole batch), or computed from a value that holds the batch in two dims (a contrastive loss,
-    seen by a second run one row larger), has no merge of micro-batch parts equal to it: refused before anything runs."""
+    """Refused before anything runs: an output of a program exported at its micro-batch size that no merge of micro-batch parts equals, its other dims
+    growing with the batch (CLIP's logits) or computed from a value holding the batch in two dims (docs/architecture.md, "Pitfalls measured")."""
     whole = output_facts(model, args, kwargs, batch)
     for path, _, pairing in whole or ():
         if pairing:
-            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two dims: it pairs the "
-                             f"samples (contrastive logits u @ v.T, in-batch negatives); a micro-batch holds only its own samples, so no "
-                             f"merge of the micro-batches' values is the plain model's; compute it outside the model from per-sample "
-                             f"outputs, or run with chunks=1")
+            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two dims: it pairs the samples (contrastive "
+                             f"logits u @ v.T, in-batch negatives); a micro-batch holds only its own samples, so no merge of the micro-batches' values is "
+                             f"the plain model's; compute it outside the model from per-sample outputs, or run with chunks=1")
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):
@@ -197,8 +194,7 @@ def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | N
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
-        # A stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op
-        # costs weigh as they will when the pipeline runs, not at the whole batch's size.
+        # a stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op costs weigh as in the pipeline
         rows = static_batch or micro_batch_sizes(traced.batch_size, options.chunks)[0]
         batch = traced.batch_size if static_batch is None else measure[0].shape[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
@@ -225,10 +221,9 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
 
         with progress.run("choose") as report:
             choice = choose_configuration(
-                plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap,
-                schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
-                checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,),
-                chunks=None if "chunks" in auto else options.chunks, optimizer=options.optimizer)
+                plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap, optimizer=options.optimizer,
+                chunks=None if "chunks" in auto else options.chunks, schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
+                checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,))
             report["detail"] = f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of {len(choice.candidates)} configurations"
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
     result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
@@ -236,46 +231,39 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
 
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict[str, Any] | None = None,
-         devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8,
-         balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
-         memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
-         checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
+         devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8, balance: str | Sequence[float] = "flops",
+         leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe",
+         virtual_stages: int = 1, checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
-    ``devices`` here only names stages: an int plans that many stages without checking they exist.
-    The plan predicts each stage's memory for ``schedule``, ``checkpoint``, ``chunks`` and the
-    ``optimizer``'s state. ``chunks``, ``schedule``, ``checkpoint`` may be ``"auto"`` (with
-    ``memory_cap``): the fastest predicted configuration that fits, the alternatives in ``plan.choice``.
-    ``verbose=True`` reports each pass on stderr (they always go to the ``autopipe`` logger)."""
+    ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts each stage's memory for
+    ``schedule``, ``checkpoint``, ``chunks`` and the ``optimizer``'s state. ``chunks``, ``schedule``, ``checkpoint`` may be ``"auto"`` (with
+    ``memory_cap``): the fastest predicted configuration that fits, the alternatives in ``plan.choice``. ``verbose=True``: each pass on stderr."""
     auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
-    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance,
-                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
-                           verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
-                           virtual_stages=1 if "schedule" in auto else virtual_stages,
-                           checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer)
+    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance, leaf_modules=leaf_modules, tolerance=tolerance,
+                           memory_cap=memory_cap, route=route, verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
+                           virtual_stages=1 if "schedule" in auto else virtual_stages, checkpoint="except_last" if "checkpoint" in auto else checkpoint,
+                           optimizer=optimizer)
     args, kwargs = as_tuple(example_inputs), example_kwargs or {}
     if auto:
         return _choose(model, args, kwargs, options, stage_devices, auto)
     return run_passes(model, args, kwargs, options, generate=False).plan
 
 
-def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] | None = None, chunks: int = 8, *,
-            example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None, checkpoint: str = "except_last",
-            schedule: str = "gpipe", virtual_stages: int = 1, balance: str | Sequence[float] = "flops",
-            leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
-            intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
-            data_parallel: int = 1, timeout: float = 300.0, route: str = "auto",
-            verbose: bool = False) -> Pipeline | DistributedPipeline:
+def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] | None = None, chunks: int = 8, *, example_inputs: Any = None,
+            example_kwargs: dict[str, Any] | None = None, checkpoint: str = "except_last", schedule: str = "gpipe", virtual_stages: int = 1,
+            balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
+            intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False, data_parallel: int = 1,
+            timeout: float = 300.0, route: str = "auto", verbose: bool = False) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
-    The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs
-    the pipeline compiles on its first call. "1f1b" and "interleaved" schedules train with ``pipe.step(x,
-    target=y, loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running statistics over the whole mini-batch.
-    Under torchrun with ``devices=None``: one stage per rank over torch.distributed (``data_parallel`` replicas
-    of the pipeline; ``timeout`` seconds bound any wait on a peer)."""
-    chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
-                  tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
+    The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs the pipeline compiles on its first
+    call. "1f1b" and "interleaved" schedules train with ``pipe.step(x, target=y, loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running
+    statistics over the whole mini-batch. Under torchrun with ``devices=None``: one stage per rank over torch.distributed (``data_parallel``
+    replicas of the pipeline; ``timeout`` seconds bound any wait on a peer)."""
+    chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route, tolerance=tolerance,
+                  memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
     if devices is None and running_under_torchrun():
         # every rank plans all K stages; the options are checked before any process group exists
         n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
@@ -290,9 +278,8 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
             raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights (use "
                              f"autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
         build = lambda args, kwargs: run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
-        pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
-                        deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
-                        track_memory=track_memory)
+        pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads, deferred_batch_norm=deferred_batch_norm,
+                        schedule=schedule, virtual_stages=virtual_stages, track_memory=track_memory)
     if example_inputs is not None or example_kwargs:
         pipe.compile_for(as_tuple(example_inputs), example_kwargs or {})
     return pipe
@@ -303,8 +290,8 @@ def as_tuple(inputs: Any) -> tuple:
 
 
 def _place(model: torch.nn.Module, result: Plan) -> None:
-    """Move each parameter and buffer to the device of the first stage that holds it. Parameter objects stay
-    the same (``.data`` is replaced), so optimizers keep working."""
+    """Move each parameter and buffer to the device of the first stage that holds it. Parameter objects stay the same (``.data`` is replaced),
+    so optimizers keep working."""
     if all(s.device.type == "cpu" for s in result.stages):
         return
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))

@@ -1,7 +1,6 @@
-"""What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks.
-
-Pure functions over a Plan and its CostedGraph: no runtime starts and no real memory is touched. Activations are what autograd saves,
-counted on fake tensors with pipe.memory's hook. Not modelled: the backward's transient gradients, the allocator, the loss outside the pipeline."""
+"""What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks: pure functions over a Plan and its CostedGraph,
+no runtime starts and no real memory is touched. Activations are what autograd saves, counted on fake tensors with pipe.memory's hook. Not modelled:
+the backward's transient gradients, the allocator, the loss outside the pipeline."""
 from __future__ import annotations
 
 import functools
@@ -52,8 +51,7 @@ def saved_tensors(costed: CostedGraph) -> SavedTensors:
     device = next((t.device for t in real if t.device.type != "meta"), torch.device("cpu"))
     keep: list[torch.Tensor] = []  # every tensor stays alive: no storage key is reused while counting
     storage_bytes: dict[int, int] = {}
-    resident: set[int] = set()
-    current: set[int] = set()
+    resident, current = set(), set()  # storage keys: of parameters and buffers; of what the running node saves
 
     def key(t: torch.Tensor) -> int:
         keep.append(t)
@@ -222,10 +220,9 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
         n_rec = sum(recomputed[i] for i in at_peak)
         terms = ((n_rec, "inputs", inputs / n + fixed), (len(at_peak) - n_rec, "activations", activations / n))
         grads = sum(costed.tensor_bytes.get(p, 0) for p in s.params if p in trainable)
-        stages.append(MemoryPrediction(
-            s.index, schedule.device_of(s.index), s.param_bytes, grads, OPTIMIZER_STATE[optimizer] * grads, round(peak),
-            round(max((a for a, r in zip(act, recomputed) if r), default=0.0)), schedule.max_in_flight(s.index), round(sum(kept)),
-            " + ".join(f"{k} x {what}/M ({_human(each)})" for k, what, each in terms if k) or "0"))
+        stages.append(MemoryPrediction(s.index, schedule.device_of(s.index), s.param_bytes, grads, OPTIMIZER_STATE[optimizer] * grads, round(peak),
+                                       round(max((a for a, r in zip(act, recomputed) if r), default=0.0)), schedule.max_in_flight(s.index), round(sum(kept)),
+                                       " + ".join(f"{k} x {what}/M ({_human(each)})" for k, what, each in terms if k) or "0"))
     return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks, optimizer=optimizer,
                            virtual_stages=virtual_stages, n_devices=schedule.n_devices, bubble=schedule.bubble_fraction)
 
@@ -295,11 +292,10 @@ class AutoChoice:
     def __str__(self) -> str:
         c = self.chosen
         v = f" (virtual_stages={c.virtual_stages})" if c.virtual_stages > 1 else ""
-        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak {_human(c.peak)} per device "
-                f"(cap {_human(self.memory_cap)}), bubble {c.bubble:.3f}, step {c.time / self.ideal:.2f}x ideal\n"
-                f"Alternatives weighed (batch {self.batch_size}, {self.n_devices} device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, "
-                "3 x total cost / K, with a fixed cost per task; the fastest that fits wins; shown: the best per schedule and checkpoint of "
-                f"{len(self.candidates)}, all in .table(full=True)):\n" + self.table())
+        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak {_human(c.peak)} per device (cap "
+                f"{_human(self.memory_cap)}), bubble {c.bubble:.3f}, step {c.time / self.ideal:.2f}x ideal\nAlternatives weighed (batch {self.batch_size}, "
+                f"{self.n_devices} device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, 3 x total cost / K, with a fixed cost per task; the "
+                f"fastest that fits wins; shown: the best per schedule and checkpoint of {len(self.candidates)}, all in .table(full=True)):\n" + self.table())
 
     __repr__ = __str__
 
@@ -344,11 +340,10 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
         return replace(choice, chosen=least)
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
     resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
-    raise NoFeasiblePlan(
-        f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): the smallest predicted peak is "
-        f"{_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, of which "
-        f"{_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). Raise memory_cap to at least "
-        f"{_human(least.peak)}, add devices, use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
+    raise NoFeasiblePlan(f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): the smallest predicted peak is "
+                         f"{_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, "
+                         f"of which {_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). Raise memory_cap to at least "
+                         f"{_human(least.peak)}, add devices, use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
 
 
 def _rank(c: Candidate) -> tuple:

@@ -116,10 +116,8 @@ class Plan:
         lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}   (lower bound = max(total/K, largest node))",
                   f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup {self.predicted_speedup:.2f}x on "
                   f"{self.n_stages} devices (efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
-        devices = self.param_devices
-        shared = [f"{n} in stages {list(s)}" + (f" (on {devices[n][0]}, replicated to {', '.join(map(str, devices[n][1:]))}"
-                                                " each step)" if len(devices[n]) > 1 else "")
-                  for n, s in self.shared_params.items()]
+        replicas = {n: f" (on {d[0]}, replicated to {', '.join(map(str, d[1:]))} each step)" for n, d in self.param_devices.items() if len(d) > 1}
+        shared = [f"{n} in stages {list(s)}{replicas.get(n, '')}" for n, s in self.shared_params.items()]
         if shared:
             lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(shared))
         if self.pass_seconds:

@@ -293,12 +293,10 @@ def _check(check: Check, run: Callable[[], _Step], ref: Callable[[], _Step], **c
     return check
 
 
-def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *,
-           devices: int | Sequence[str | torch.device] = 2, chunks: int = 4, checkpoint: str = "except_last",
-           loss_fn: Callable[[Any], torch.Tensor] | None = None, **compile_kwargs: Any) -> VerifyReport:
-    """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against
-    the plain model. ``devices=N``: N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default:
-    :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``. ``print(report)`` shows the findings."""
+def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *, devices: int | Sequence[str | torch.device] = 2,
+           chunks: int = 4, checkpoint: str = "except_last", loss_fn: Callable[[Any], torch.Tensor] | None = None, **compile_kwargs: Any) -> VerifyReport:
+    """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against the plain model. ``devices=N``:
+    N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default: :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``."""
     devices = [str(d) for d in resolve_devices(["cpu"] * devices if positive_int(devices) else devices)]
     Options.make(devices, chunks=chunks, checkpoint=checkpoint)  # a bad chunks or checkpoint, named now
     with preserved_global_state(), torch.enable_grad():  # the caller's RNG, grad mode and thread count stay
@@ -306,9 +304,8 @@ def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str
 
 
 def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
-    """Output leaf -> the plan's facts of it (a 0-dim loss: a mean or a sum over samples; rows a sample, the shape),
-    so that the loop by hand merges and refuses as the pipeline does; {} where the model does not plan (the checks
-    say why)."""
+    """Output leaf -> the plan's facts of it (a 0-dim loss: a mean or a sum over samples; rows a sample, the shape), so that the loop by hand
+    merges and refuses as the pipeline does; {} where the model does not plan (the checks say why)."""
     try:
         program = run_passes(model, args, kwargs, Options.make(devices, chunks=chunks), generate=False).main
     except Exception:  # noqa: BLE001

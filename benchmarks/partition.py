@@ -126,16 +126,15 @@ def node_view(costed: CostedGraph, n_stages: int) -> NodeView:
     every = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     output_node = next(n for n in graph.nodes if n.op == "output")
     output_args = [a for a in output_node.args[0] if isinstance(a, torch.fx.Node)]
-    weights = adapter._weights(costed, every, "flops")
-    replicable = adapter._replicable(costed, every, set(output_args), weights, n_stages)
-    free = {n for n, r in zip(every, replicable) if r}
+    weight_of = dict(zip(every, adapter._weights(costed, every, "flops")))
+    free = adapter._replicable(costed.traced.graph_module, weight_of, set(output_args), n_stages)
     order = [n for n in every if n not in free]
-    return NodeView(costed, n_stages, order, free, dict(zip(every, weights)), output_args)
+    return NodeView(costed, n_stages, order, free, weight_of, output_args)
 
 
 def score(view: NodeView, stage_of: dict, chunks: int = CHUNKS) -> Plan:
     """The Plan the partition pass would build for this assignment of nodes to stages."""
-    return adapter._build_plan(view.costed, view.order, stage_of, view.free, view.weight_of, view.n_stages,
+    return adapter._build_plan(view.costed, stage_of, view.free, view.weight_of, view.n_stages,
                                None, chunks, "flops", 0.0, float("nan"), view.output_args)
 
 

@@ -102,8 +102,7 @@ class _CodeGen(fx.graph.CodeGen):
 
 
 def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
-    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an
-    output the micro-batches cannot give."""
+    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an output the micro-batches cannot give."""
     facts = _GraphFacts(graph_module)
     for name in plan.graph_outputs if plan.chunks > 1 else ():
         info = plan.tensors.get(name)
@@ -113,11 +112,10 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
                              f"which {how}; a micro-batch holds only its own samples, so no merge of what {plan.chunks} micro-batches "
                              f"give is the plain model's value; compute it outside the model from per-sample outputs, or run with chunks=1")
         if info is not None and info.kind == "tensor" and info.shape and not info.merges:
-            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim 0 "
-                             f"does not hold the batch as whole samples (a value over the batch, or several rows a sample that autopipe "
-                             f"cannot show stay together: torch.cat of batch tensors along dim 0, a flatten after a transpose), so "
-                             f"no concatenation of what {plan.chunks} micro-batches give is the plain model's value; return it per "
-                             f"sample, compute it outside the model, or run with chunks=1")
+            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim 0 does not hold the batch as "
+                             f"whole samples (a value over the batch, or several rows a sample that autopipe cannot show stay together: torch.cat of "
+                             f"batch tensors along dim 0, a flatten after a transpose), so no concatenation of what {plan.chunks} micro-batches give "
+                             f"is the plain model's value; return it per sample, compute it outside the model, or run with chunks=1")
     stages = []
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]
@@ -180,10 +178,9 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
     elif node.op == "call_function":  # a torch Python function that draws inside (F.gumbel_softmax)
         return "wrap", target, {}
     raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
-        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random "
-        f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
-        f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use "
-        f"an op that takes a generator (torch.rand, ...).")
+        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random numbers but takes no generator "
+        f"and nothing it runs can be given one, so the pipeline could not replay it when it recomputes the stage for backward. Set its dropout "
+        f"probability to 0 or call model.eval(), or use an op that takes a generator (torch.rand, ...).")
 
 
 def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dict, generator: fx.Node,
@@ -218,9 +215,9 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
 
 
 def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[str, Any], device: torch.device) -> bool:
-    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph
-    of export's no_grad / autocast regions that names one is copied into ``attributes`` and reads its own, which
-    Stage._apply moves with the stage. Returns whether ``graph`` reads the device."""
+    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph of export's no_grad / autocast
+    regions that names one is copied into ``attributes`` and reads its own, which Stage._apply moves with the stage. Returns whether ``graph`` reads
+    the device."""
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         read = graph.create_node("get_attr", "stage_device", name="stage_device")
     swap = lambda value: read if isinstance(value, torch.device) else value
@@ -253,14 +250,12 @@ _INPLACE_OPERATORS = frozenset({operator.setitem} | {getattr(operator, f"i{name}
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")})
 _INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
 # results that may share storage with their first argument: views, and conversions that may return ``self``
-_VIEW_NAMES = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint", "permute", "unsqueeze", "squeeze", "expand",
-    "expand_as", "narrow", "select", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk", "unbind", "flatten",
-    "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag",
-    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to", "type", "type_as", "float", "double", "half",
-    "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "data", "__getitem__", "align_to", "rename", "refine_names",
-    "indices", "values",
-})
+_VIEW_NAMES = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint", "permute", "unsqueeze", "squeeze",
+                         "expand", "expand_as", "narrow", "select", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk",
+                         "unbind", "flatten", "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim", "moveaxis", "swapaxes",
+                         "swapdims", "unfold", "real", "imag", "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to",
+                         "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "data",
+                         "__getitem__", "align_to", "rename", "refine_names", "indices", "values"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index"})
 
 
@@ -347,8 +342,8 @@ class _GraphFacts:
             node = self.alias[node]
 
     def check_writes(self, plan: Plan, sp: StagePlan, inputs: list[fx.Node], body: list[fx.Node]) -> list[fx.Node]:
-        """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another
-        stage (or the model's output) would have to see: each stage gets its own copy of what it receives."""
+        """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or the model's output) would have
+        to see: each stage gets its own copy of what it receives."""
         input_set, body_set, own = set(inputs), set(body), {self.nodes[n] for n in sp.nodes}
         recomputed_elsewhere = {self.nodes[n] for s in plan.stages if s.index != sp.index for n in s.replicated}
 
@@ -367,22 +362,21 @@ class _GraphFacts:
                     if m not in body_set and m not in input_set and any(v in own for v in self.views_back(m)):
                         continue  # a later stage's view of what this stage sent once it had run, the write included
                     for u in m.users:
-                        # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what
-                        # this stage sends, which is the write's result only for a tensor made here
+                        # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this stage sends, which is the
+                        # write's result only for a tensor made here
                         elsewhere = u not in body_set or u in recomputed_elsewhere
                         if self.order[u] > self.order[w] and not (same and (m in own or not elsewhere)):
                             reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
                             raise ValueError(
-                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value "
-                                f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor "
-                                f"it receives, so that read would not see the write. Write out of place there "
-                                f"(x = x + y rather than x += y, inplace=False), or move the cut.")
+                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value {reader} reads afterwards "
+                                f"through {m.name}; each stage gets its own copy of a tensor it receives, so that read would not see the write. Write "
+                                f"out of place there (x = x + y rather than x += y, inplace=False), or move the cut.")
         return list(dict.fromkeys(root for root in (local_root(a) for w in body for a in self.writes[w]) if root in input_set))
 
 
 def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers
-    written by in-place ops; those of them no BatchNorm writes)."""
+    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers written by in-place ops; those of them
+    no BatchNorm writes)."""
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
     facts, written = _GraphFacts(stage), []
@@ -398,8 +392,7 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
 def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: list[fx.Node]) -> str:
     lines = [f"# autopipe stage {sp.index} of {plan.n_stages} on {sp.device}: {len(sp.nodes)} nodes, "
              f"{100 * sp.cost / (plan.total_cost or 1):.1f}% of the {plan.balance}"]
-    producers = {n: plan.tensors[n].producer for n in sp.inputs}
-    lines += [f"#   in  {n:<28} from {'model input' if p < 0 else f'stage {p}'}" for n, p in producers.items()]
+    lines += [f"#   in  {n:<28} from {'model input' if (p := plan.tensors[n].producer) < 0 else f'stage {p}'}" for n in sp.inputs]
     for n in sp.outputs:
         sinks = [f"stage {c}" for c in plan.tensors[n].consumers] + (["model output"] if plan.tensors[n].is_output else [])
         lines.append(f"#   out {n:<28} to {', '.join(sinks)}")

@@ -57,8 +57,7 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
             names = []
             if node.op == "call_module":
                 module = gm.get_submodule(node.target)
-                for name, t in [*module.named_parameters(node.target, remove_duplicate=False),
-                                *module.named_buffers(node.target, remove_duplicate=False)]:
+                for name, t in [*module.named_parameters(node.target, remove_duplicate=False), *module.named_buffers(node.target, remove_duplicate=False)]:
                     names.append(canonical.get(name, name))
                     tensor_bytes[names[-1]] = t.nbytes
             names += [canonical.get(a.target, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
@@ -138,9 +137,8 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
 
 
 class _Timer(fx.Interpreter):
-    """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on
-    the CPU; on a GPU, CUDA events around the node, read once the run is done (the host clock would time only
-    the kernel launch)."""
+    """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on the CPU; on a GPU, CUDA
+    events around the node, read once the run is done (the host clock would time only the kernel launch)."""
 
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, list[float]]):
         super().__init__(gm)

@@ -24,7 +24,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
     weight_of = dict(zip(every, _weights(costed, every, balance)))
-    free = {n for n, r in zip(every, _replicable(costed, every, set(outputs), list(weight_of.values()), n_stages)) if r}
+    free = _replicable(gm, weight_of, set(outputs), n_stages)
     # a getitem of a tuple (qkv.split(...)[0]) joins its producer's group: no tuple carrying its autograd graph crosses a cut
     group_of: dict[fx.Node, fx.Node] = {}
     groups: dict[fx.Node, list[fx.Node]] = {}
@@ -64,15 +64,13 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
     ends = starts[1:] + [len(order)]
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
-    plan = _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
+    plan = _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, outputs)
     plan.notes.extend(notes)
-    plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a "
-                      f"sum over its samples (a mean over the targets a loss does not ignore, a load-balancing loss): "
-                      f"merged as the size-weighted mean of the micro-batches' values, as gradient accumulation by "
-                      f"hand does: the plain model's value only for a mean over samples that weigh the same in every "
-                      f"micro-batch (no ignored targets), not for a product of batch means (a load-balancing loss); "
-                      f"a loss summed and divided by the whole batch's count (Hugging Face's num_items_in_batch) "
-                      f"merges exactly"
+    plan.notes.extend(f"output {name}: a number from the whole micro-batch that autopipe cannot read as a mean or a sum over its samples (a mean over the "
+                      f"targets a loss does not ignore, a load-balancing loss): merged as the size-weighted mean of the micro-batches' values, as gradient "
+                      f"accumulation by hand does: the plain model's value only for a mean over samples that weigh the same in every micro-batch (no ignored "
+                      f"targets), not for a product of batch means (a load-balancing loss); a loss summed and divided by the whole batch's count (Hugging "
+                      f"Face's num_items_in_batch) merges exactly"
                       for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
     return plan
 
@@ -102,20 +100,19 @@ def _split_by_shares(weights: list[float], shares: list[float], n_stages: int) -
     return starts
 
 
-def _replicable(costed: CostedGraph, nodes: list, outputs: set, weights: list[float], n_stages: int) -> list[bool]:
+def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: set, n_stages: int) -> set[fx.Node]:
     """Cheap nodes of graph inputs and buffers only (masks, position ids): each reading stage recomputes them."""
-    gm = costed.traced.graph_module
-    budget = 0.01 * sum(weights) / n_stages
-    free: set = set()
+    budget = 0.01 * sum(weight_of.values()) / n_stages
+    free: set[fx.Node] = set()
 
     def constant(a: fx.Node) -> bool:
         return a.op == "placeholder" or a in free or (a.op == "get_attr" and not _is_param(gm, a.target))
 
-    for n, weight in zip(nodes, weights):
+    for n, weight in weight_of.items():
         if (weight <= budget and n not in outputs and n.op != "call_module" and not is_random_target(n.target)
                 and not _is_inplace(n) and all(map(constant, n.all_input_nodes))):
             free.add(n)
-    return [n in free for n in nodes]
+    return free
 
 
 def _is_inplace(n: fx.Node) -> bool:
@@ -133,7 +130,7 @@ def _is_tensor_valued(n: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val]))
 
 
-def _build_plan(costed, order, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, output_args) -> Plan:
+def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, output_args) -> Plan:
     gm = costed.traced.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
@@ -197,10 +194,9 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
 
 
 def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node], static: bool) -> dict[fx.Node, str]:
-    """How each 0-dim float output of the model merges over micro-batches: "mean" (a mean over samples, or no
-    batch in it: the size-weighted mean), "sum" (a sum over samples, or one divided by a number the batch does
-    not set, as Hugging Face's ``num_items_in_batch``: the sum), or "unknown". ``static``: a graph exported at
-    one micro-batch size, where a number may be that size."""
+    """How each 0-dim float output merges over micro-batches: "mean" (a mean over samples, or no batch in it: the size-weighted mean), "sum" (a sum
+    over samples, or one divided by a number the batch does not set, as Hugging Face's ``num_items_in_batch``), or "unknown". ``static``: a graph
+    exported at one micro-batch size, where a number may be that size."""
 
     def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -263,22 +259,17 @@ def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node], static: bool) -
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
                        "contiguous", "clone", "detach", "alias", "to", "_to_copy", "type", "type_as", "float", "double", "half", "bfloat16"})
 # row-wise unless along dim 0 (``dim``), or over every dim (``normalized_shape``)
-_ALONG_DIMS = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "sum", "mean", "amax", "amin", "max", "min", "argmax",
-                         "argmin", "topk", "sort", "argsort", "norm", "logsumexp", "cumsum", "var", "std", "normalize", "split", "chunk",
-                         "unbind", "select", "slice", "narrow", "index_select", "gather", "dropout", "native_dropout", "layer_norm",
-                         "native_layer_norm", "rms_norm", "_fused_rms_norm"})
+_ALONG_DIMS = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax", "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "topk",
+                         "sort", "argsort", "norm", "logsumexp", "cumsum", "var", "std", "normalize", "split", "chunk", "unbind", "select", "slice", "narrow",
+                         "index_select", "gather", "dropout", "native_dropout", "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
 _ON_ROWS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "embedding", "conv1d", "conv2d", "conv3d", "convolution"})
 _ROW_MODULES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.modules.dropout._DropoutNd,
                 torch.nn.Identity, torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid)
 
 
 def _samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.Node]:
-    """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
-    concatenate to the plain model's value: a reshape of a batch tensor (row-major order is kept: MoE router logits,
-    ``logits.view(-1, V)``) or a row-wise op of one, whose other operands do not come from the batch (a statistic
-    over the batch would mix the samples) and which no later write changes other than row by row. Nothing else is
-    shown: torch.cat of batch tensors along dim 0 (two views of a batch), a flatten after a transpose
-    (sequence-major) would come out with the rows permuted."""
+    """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts concatenate to the plain model's
+    value: MoE router logits, ``logits.view(-1, V)`` (the rules, and what is not shown: docs/architecture.md, "Pitfalls measured")."""
     together: set[fx.Node] = set()
     poisoned: set[fx.Node] = set()
 
@@ -328,18 +319,12 @@ def _samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.No
     views = _views(gm)
     while True:
         together.clear()
-        for n in gm.graph.nodes:
+        for n in gm.graph.nodes:  # k == 1 is the batch itself, as GPipe takes it
             k = rows_per_sample(n)
-            if k < 2 or n in poisoned:
-                continue  # one row a sample is the batch itself, as GPipe takes it
-            if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-                ok = together_by_getitem(n, k)
-            else:
-                ok = keeps_rows(n, k)
-            if ok:
+            by_getitem = n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+            if k > 1 and n not in poisoned and (together_by_getitem(n, k) if by_getitem else keeps_rows(n, k)):
                 together.add(n)
-        # a write in place to a view of a together value (x[:2] = 0, y.copy_(a sequence-major z)) that is not row
-        # by row changes every view of its storage
+        # a write in place to a view of a together value (x[:2] = 0, y.copy_(a sequence-major z)) that is not row by row changes every view of its storage
         written = {views[n.args[0]] for n in gm.graph.nodes if _is_inplace(n) and n.args and isinstance(n.args[0], fx.Node)
                    and rows_per_sample(n.args[0]) != 1 and not (n.args[0] in together and keeps_rows(n, rows_per_sample(n.args[0])))}
         spoilt = {n for n in together if views[n] in written} - poisoned
@@ -364,10 +349,8 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 
 
 def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
-    """Each value computed from one that mixes samples -> (that node, how): a value holding the batch in two dims
-    (trace's "pairs_samples": contrastive logits u @ v.T, in-batch negatives), or a reshape into rows of samples of a
-    value whose dim 0 is not the batch (row-major order then puts parts of several samples in a row: a view with the
-    batch size written in, a flatten of a sequence-first tensor). Micro-batches cannot give these."""
+    """Each value computed from one that mixes samples -> (that node, how): one holding the batch in two dims (trace's "pairs_samples"), or a
+    reshape into rows of samples of a value whose dim 0 is not the batch (row-major order puts parts of several samples in a row)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
@@ -383,12 +366,11 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
 
 
 def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
-    """Batch rows that depend on other samples, which a micro-batch does not hold: rows moved along the batch (flip,
-    roll), or combined with a statistic over the batch (``h - h.mean(0)``, a batch norm written by hand, a whitening by
-    ``z.T @ z``). A statistic is a floating value computed from batch rows whose shape is the same at every batch size
-    (trace's ``batch_free``): the batch was reduced away. Each micro-batch computes it over its own samples, as
-    BatchNorm does (GPipe sec. 2.2), so the values are not the plain model's. Reported, not refused: a one-row-a-sample
-    value is taken as per-sample (docs/architecture.md, pitfalls), and routing code reads such numbers without mixing."""
+    """Batch rows that depend on other samples, which a micro-batch does not hold: rows moved along the batch (flip, roll), computed with the batch
+    size, or combined with a statistic over the batch (a floating value from batch rows whose shape is the same at every batch size: trace's
+    ``batch_free``), which each micro-batch computes over its own samples, as BatchNorm does (GPipe sec. 2.2). Reported, not refused: routing
+    code reads such numbers without mixing (docs/architecture.md, "Pitfalls measured")."""
+
     statistic: dict[fx.Node, fx.Node] = {}  # a value without the batch -> the statistic it is computed from
     readers: dict[fx.Node, fx.Node] = {}    # a statistic -> the first batch rows combined with it
     notes = []
@@ -400,9 +382,8 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
         if rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and \
                 (size := next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")), None)) is not None:
-            notes.append(f"{node_where(n)} computes batch rows with {size.name}, a number set by the batch size (x.shape[0]): "
-                         f"each micro-batch uses its own, so values and gradients are not the plain model's; pass it in, or run "
-                         f"with chunks=1")
+            notes.append(f"{node_where(n)} computes batch rows with {size.name}, a number set by the batch size (x.shape[0]): each micro-batch uses "
+                         f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")
         source = next((statistic[a] for a in n.all_input_nodes if a in statistic), None)
         if rows_per_sample(n) and source is not None:
             readers.setdefault(source, n)
@@ -412,10 +393,9 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
             statistic[n] = source
         elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in n.all_input_nodes) and not _shape_only(n):
             statistic[n] = n
-    return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each "
-                    f"micro-batch computes it over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values "
-                    f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1"
-                    for s, user in readers.items()]
+    return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch computes it "
+                    f"over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients are not the plain model's; "
+                    f"compute it outside the model, or run with chunks=1" for s, user in readers.items()]
 
 
 def _reorders_batch(n: fx.Node) -> bool:
@@ -430,9 +410,8 @@ def _reorders_batch(n: fx.Node) -> bool:
         dims = n.kwargs.get("dims", n.args[2] if len(n.args) > 2 else None)
         if dims is None or dims == []:
             return True
-    dims = [dims] if isinstance(dims, int) else list(dims)
     ndim = source.meta["val"].dim()
-    return any(isinstance(d, int) and d % ndim == 0 for d in dims)
+    return any(isinstance(d, int) and d % ndim == 0 for d in ([dims] if isinstance(dims, int) else dims))
 
 
 _ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "div", "floordiv", "pow", "rsub", "iadd", "isub", "imul", "itruediv",
@@ -467,12 +446,9 @@ def rows_per_sample(n: Any) -> int:
     return n.meta.get("rows_per_sample", 0) if isinstance(n, fx.Node) else 0
 
 
-
-
 def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, mixed: tuple[str, ...]) -> TensorInfo:
-    """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows
-    a sample (k > 1) that ``_samples_together`` cannot show holds each sample's rows together, or one computed from
-    a value that mixes samples, does not merge: refused."""
+    """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows a sample (k > 1) whose rows
+    ``_samples_together`` cannot show stay together, or one computed from a value that mixes samples, does not merge: refused."""
     val = n.meta.get("val")
     kind, shape, dtype, nbytes, rows = "other", (), torch.int64, 0, 0
     if isinstance(val, torch.Tensor):

@@ -105,8 +105,7 @@ class TracedModel:
         return self.keep_output_structure(output, (torch.Tensor, fx.Proxy))
 
     def keep_output_structure(self, output: Any, value_types: tuple[type, ...]) -> tuple:
-        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept
-        for rebuild_output."""
+        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept for rebuild_output."""
         leaves, self.output_spec = pytree.tree_flatten(output)
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
@@ -150,10 +149,9 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     with preserved_global_state() as guard, buffers_kept(model):
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
-        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer "
-                         f"skipped at random, say): tracing draws once and the graph would keep those numbers for "
-                         f"every step and micro-batch. Draw them with torch (torch.rand, torch.bernoulli), whose "
-                         f"random ops the pipeline replays, or trace the model in eval mode if it draws only in training")
+        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
+                         f"draws once and the graph would keep those numbers for every step and micro-batch. Draw them with torch (torch.rand, "
+                         f"torch.bernoulli), whose random ops the pipeline replays, or trace the model in eval mode if it draws only in training")
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
     return traced
@@ -202,11 +200,10 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         _propagate_fake_shapes(traced.graph_module, inputs)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
-        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
-                         f"{_first_line(e)}) has a shape that depends on the values of its input (boolean-mask "
-                         f"indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to "
-                         f"cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) "
-                         f"with a masked mean) or run it outside the model") from e
+        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {_first_line(e)}) has a shape that depends "
+                         f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
+                         f"needs to cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or "
+                         f"run it outside the model") from e
     _unpack_sequence_outputs(traced)
     try:
         _count_rows_per_sample(traced.graph_module, inputs, traced.batch_size, static_batch is None)
@@ -286,10 +283,8 @@ _FX_TRACING = threading.Lock()
 
 @contextlib.contextmanager
 def _what_fx_cannot_record(model: torch.nn.Module):
-    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode switches, in-place
-    writes of parameters and buffers with no traced argument, and random numbers drawn with no traced argument
-    (``torch.rand(n)``: fx runs it once and bakes the draw in as a constant). Yields the list of what was lost,
-    filled on exit."""
+    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode switches, in-place writes of parameters and
+    buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields the list of what was lost, filled on exit."""
     tracer_thread, switches, draws, lost = threading.get_ident(), [], [], []
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 
@@ -323,8 +318,7 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     if switches:
         lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
     if draws:
-        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw "
-                    f"once while tracing and keep as a constant")
+        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw once while tracing and keep as a constant")
     if written:
         lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once while tracing")
 
@@ -362,11 +356,10 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
 
 
 def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
-    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs: a model exported at
-    its micro-batch size (static_batch) shows its outputs at that size alone. Shape None: not a tensor. The pairing op
-    is the first op the leaf is computed from whose result holds the batch in two dims (contrastive logits), seen by a
-    second run one row larger with the same ops ("": none, or the runs differ). None where the model cannot run on
-    fake tensors."""
+    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs: a model exported at its micro-batch size
+    (static_batch) shows its outputs at that size alone. Shape None: not a tensor. The pairing op is the first op the leaf is computed from
+    whose result holds the batch in two dims (contrastive logits), seen by a second run one row larger with the same ops ("": none, or the
+    runs differ). None where the model cannot run on fake tensors."""
     runs = []
     for rows in (batch, batch + 1):
         try:
@@ -433,8 +426,7 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
 
 
 def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], rows: int | None = None) -> None:
-    """node.meta["val"] for every node, computed on fake (or meta) tensors: no memory, no compute. ``rows``: with the
-    inputs' dim 0 (the batch) made that many rows."""
+    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``rows``: with the inputs' dim 0 made that many rows."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
@@ -450,11 +442,9 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
 
 
 def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int, dynamic: bool) -> None:
-    """node.meta["rows_per_sample"] for each tensor value: k where dim 0 holds k rows of each sample, else 0. The graph
-    run again on fake inputs one row larger tells: dim 0 grows by k rows and no other dim changes. So a feature count
-    that is a multiple of the batch, a transposed sequence dim that equals it, CLIP's batch x batch logits get 0, not
-    the rows an int comparison would see. A graph of one static batch size has only its batch tensors (k = 1).
-    node.meta["pairs_samples"]: the batch is in two dims; node.meta["batch_free"]: its shape is the same at every batch size."""
+    """node.meta "rows_per_sample", "pairs_samples", "batch_free" and "batch_number" from a second run on fake inputs one row larger
+    (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). A graph of one static batch size
+    has only its batch tensors (k = 1)."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     grown: dict[fx.Node, Any] = {}
     if dynamic:
@@ -497,9 +487,8 @@ def _batch_size(tensors: list[torch.Tensor], names: list[str]) -> int:
     batch = tensors[0].shape[0]
     for name, t in zip(names, tensors):
         if t.dim() > 0 and t.shape[0] != batch:
-            raise ValueError(f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} (from "
-                             f"{names[0]!r}); every tensor argument must carry the same batch in dim 0 (keep other "
-                             f"tensors as module buffers)")
+            raise ValueError(f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} (from {names[0]!r}); every tensor "
+                             f"argument must carry the same batch in dim 0 (keep other tensors as module buffers)")
     return batch
 
 
@@ -507,11 +496,10 @@ def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseExcept
     lines = [f"autopipe could not trace {type(model).__name__}:"]
     lines += [f"  - {route}: {type(e).__name__}: {_first_line(e)}{user_frame(e, model)}" for route, e in errors]
     if batch_size is not None:
-        lines.append(
-            f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every "
-            f"micro-batch size. It can still be pipelined with equal micro-batches: trace(..., static_batch=<rows "
-            f"per micro-batch>) exports it at that size with no dynamic dimension. Or make the code batch-generic "
-            f"(x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather than repeat(n, ...)).")
+        lines.append(f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every micro-batch size. It can "
+                     f"still be pipelined with equal micro-batches: trace(..., static_batch=<rows per micro-batch>) exports it at that size with "
+                     f"no dynamic dimension. Or make the code batch-generic (x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather "
+                     f"than repeat(n, ...)).")
     else:
         lines.append("What to try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), "
                      "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "
@@ -524,8 +512,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def user_frame(error: BaseException, model: torch.nn.Module) -> str:
-    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own
-    code (outside torch and this package), or ""."""
+    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code, or ""."""
     skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
             "<string>", "<eval_with_key")  # torch, this package, the code trace and fx generate
     frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__) if not frame.f_code.co_filename.startswith(skip)]

@@ -78,23 +78,18 @@ class DistributedPipeline(torch.nn.Module):
         if len(options.devices) != self.n_ranks * options.virtual_stages:
             raise ValueError(f"the options plan {len(options.devices)} stages for {self.n_ranks} ranks")
         self.options, self.data_parallel, self.timeout = options, data_parallel, timeout
-        self.deferred_batch_norm = deferred_batch_norm
-        self.schedule_name = options.schedule
+        self.deferred_batch_norm, self.schedule_name = deferred_batch_norm, options.schedule
         self.replica, self.stage_index = divmod(self.rank, self.n_ranks)  # stage_index: this rank's first stage
         self.stage_indices = list(range(self.stage_index, len(options.devices), self.n_ranks))
         self._run_passes = run_passes
         self._program = None
-        self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks,
-                                                                      options.virtual_stages))
+        self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks, options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
         replicas = [list(range(p * self.n_ranks, (p + 1) * self.n_ranks)) for p in range(data_parallel)]
         self.pipeline_groups = [dist.new_group(ranks) for ranks in replicas]
-        # NCCL runs a pair's messages in posting order on one stream, both directions: a receive posted ahead
-        # would block the sends it waits for. Messages to a lower rank get groups of their own.
-        self.downward_groups = [dist.new_group(ranks) for ranks in replicas] \
-            if "nccl" in str(dist.get_backend()) else self.pipeline_groups
-        self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks)))
-                                     for r in range(self.n_ranks)]
+        # NCCL runs a pair's messages in posting order, both directions: messages to a lower rank get groups of their own (architecture.md)
+        self.downward_groups = [dist.new_group(ranks) for ranks in replicas] if "nccl" in str(dist.get_backend()) else self.pipeline_groups
+        self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks))) for r in range(self.n_ranks)]
 
     @property
     def plan(self):
@@ -107,8 +102,7 @@ class DistributedPipeline(torch.nn.Module):
 
     def _built(self):
         if self._program is None:
-            raise RuntimeError("the pipeline compiles on its first step: call pipe.step(...) once, "
-                               "or pass example_inputs to autopipe.compile")
+            raise RuntimeError("the pipeline compiles on its first step: call pipe.step(...) once, or pass example_inputs to autopipe.compile")
         return self._program
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -127,15 +121,13 @@ class DistributedPipeline(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = False, assign: bool = False):
         """Load this rank's slice from a full (or partial) state dict of the model."""
         for stage in self.stages:
-            mine = {k: v for k, v in state_dict.items() if k in stage.state_dict()}
-            stage.load_state_dict(mine, strict=strict, assign=assign)
+            stage.load_state_dict({k: state_dict[k] for k in stage.state_dict() if k in state_dict}, strict=strict, assign=assign)
 
     train = Pipeline.train  # the model's own mode
 
     def __repr__(self) -> str:
-        return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, "
-                f"replica {self.replica} of {self.data_parallel}, chunks={self.options.chunks}, "
-                f"checkpoint={self.options.checkpoint!r})")
+        return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, replica {self.replica} of "
+                f"{self.data_parallel}, chunks={self.options.chunks}, checkpoint={self.options.checkpoint!r})")
 
     def close(self) -> None:
         if self._program is not None:
@@ -148,10 +140,8 @@ class DistributedPipeline(torch.nn.Module):
                                       "equal micro-batches; under torchrun use a batch divisible by chunks")
         program = compiled.main
         stages = {s: program.stages[s] for s in self.stage_indices}
-        self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout,
-                                       group=self.pipeline_groups[self.replica],
-                                       downward=self.downward_groups[self.replica],
-                                       name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
+        self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout, group=self.pipeline_groups[self.replica],
+                                       downward=self.downward_groups[self.replica], name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         self._runners = {s: StageRunner(stage) for s, stage in stages.items()}
         self._shared = []  # (name, group) of each tied parameter this rank holds with other ranks of its replica
         for p in range(self.data_parallel):  # every rank creates every group, in the same order
@@ -186,15 +176,12 @@ class DistributedPipeline(torch.nn.Module):
                 torch.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
                 self.model.get_submodule(owner_name).reset_parameters()
         if unset:
-            warnings.warn(f"rank {self.rank}: modules {unset[:5]}{'...' if len(unset) > 5 else ''} were on the meta "
-                          f"device and have no reset_parameters(): their tensors hold uninitialised memory until "
-                          f"you call pipe.load_state_dict(...)", stacklevel=3)
+            warnings.warn(f"rank {self.rank}: modules {unset[:5]}{'...' if len(unset) > 5 else ''} were on the meta device and have no reset_parameters(): "
+                          f"their tensors hold uninitialised memory until you call pipe.load_state_dict(...)", stacklevel=3)
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs):
-        """Forward and backward of all micro-batches in schedule order on every rank.
-
-        Call it with the same arguments on every rank (each stage reads only the inputs its nodes use).
-        Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
+        """Forward and backward of all micro-batches in schedule order on every rank. Call it with the same arguments on every rank
+        (each stage reads only the inputs its nodes use). Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
         if self._program is None:
             self.compile_for(args, kwargs)
         traced, transport, runners = self._program.traced, self._transport, self._runners
@@ -202,9 +189,8 @@ class DistributedPipeline(torch.nn.Module):
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
         local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, traced.input_names, sizes)]
         schedule = self._schedule(len(sizes))
-        state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint,
-                                schedule=schedule, deferred_model=self.model if self.deferred_batch_norm else None,
-                                track_memory=False, devices=self.options.devices[:1])
+        state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint, schedule=schedule,
+                                deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False, devices=self.options.devices[:1])
         last, loss = len(self.options.devices) - 1, None
         if last in runners:
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, last_stage=last,

@@ -2,6 +2,7 @@
 posting order and failure reports: docs/architecture.md, "Under torchrun"; measured in notes/distributed.md."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -51,14 +52,12 @@ class P2PTransport(Transport):
         # own store clients (own TCP connections): one the watchdog blocks in, one with a short timeout for reports
         self._wstore, self._rstore = self._store.clone(), self._store.clone()
         self._rstore.set_timeout(timedelta(seconds=5))
-        # Clear a stale wake-up before the spec check, which no rank leaves before every rank has entered it:
-        # no failure report can be lost.
+        # Clear a stale wake-up before the spec check, which no rank leaves before every rank has entered it: no failure report can be lost.
         self._store.delete_key(f"wake/{self.rank}")
         mine = spec.digest()
         self._store.set(f"spec/{self.rank}", mine)
         for q in range(self.world):
-            theirs = self._store.get(f"spec/{q}").decode()
-            if theirs != mine:
+            if (theirs := self._store.get(f"spec/{q}").decode()) != mine:
                 raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
                                  f"call compile and step with the same model and arguments on every rank")
         self._steps, self._poisoned = 0, False
@@ -72,10 +71,8 @@ class P2PTransport(Transport):
     def _local(self, stage: int) -> bool:
         return stage % self.world == self.rank
 
-    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule,
-            runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
-        """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every
-        rank and raised as PipelineError."""
+    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule, runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
+        """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every rank and raised as PipelineError."""
         if self._failed is not None:
             raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
         if self._remote is not None:
@@ -103,9 +100,8 @@ class P2PTransport(Transport):
             raise
 
     def _messages(self, schedule: Schedule) -> tuple[list[Task], dict[tuple, tuple[int, list]], dict[int, list]]:
-        """This rank's tasks; per task, its place in that order and the messages it reads; what each peer
-        sends this rank, in the order it posts those sends. A message is ("F", value, mb) or
-        ("B", value, mb, reader stage)."""
+        """This rank's tasks; per task, its place in that order and the messages it reads; what each peer sends this rank, in the order
+        it posts those sends. A message is ("F", value, mb) or ("B", value, mb, reader stage)."""
         order = schedule.device_order(self.rank)
         needs: dict[tuple, tuple[int, list]] = {}
         for k, t in enumerate(order):
@@ -113,18 +109,15 @@ class P2PTransport(Transport):
             if t.kind == "F":
                 read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
             else:
-                read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad
-                        for d in e.dsts if not self._local(d)]
+                read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad for d in e.dsts if not self._local(d)]
             needs[(t.kind, t.stage, i)] = (k, read)
         peer_sends: dict[int, list] = {q: [] for q in range(self.world) if q != self.rank}
         for q, sends in peer_sends.items():  # as send_outputs and send_input_grads post them on rank q
             for t in schedule.device_order(q):
                 if t.kind == "F":
-                    sends += [("F", e.name, t.micro_batch) for e in self.spec.out_of(t.stage)
-                              if any(self._local(d) for d in e.dsts)]
+                    sends += [("F", e.name, t.micro_batch) for e in self.spec.out_of(t.stage) if any(self._local(d) for d in e.dsts)]
                 else:
-                    sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage)
-                              if e.grad and self._local(e.src)]
+                    sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage) if e.grad and self._local(e.src)]
         return order, needs, peer_sends
 
     def _receive(self, kind: str, stage: int, i: int) -> None:
@@ -133,8 +126,7 @@ class P2PTransport(Transport):
         at, reads = self.needs[(kind, stage, i)]
         for task in self.order[at:at + 1 + LOOKAHEAD]:
             for message in self.needs[(task.kind, task.stage, task.micro_batch)][1]:
-                edge = self._edges[message[1]]
-                peer = (edge.src if message[0] == "F" else message[3]) % self.world
+                peer = (self._edges[message[1]].src if message[0] == "F" else message[3]) % self.world
                 while message not in self.posted:
                     self._post_receive(peer, self.peer_sends[peer][self.cursor[peer]])
                     self.cursor[peer] += 1
@@ -183,8 +175,7 @@ class P2PTransport(Transport):
         grads = []
         for name in self.stages[stage].output_names:
             readers = self._edges[name].dsts if name in self._edges else ()
-            grads.append(sum_grads([self.final_grads[i].get(name) if last else None]
-                              + [self.grads[i].get((name, d)) for d in readers]))
+            grads.append(sum_grads([self.final_grads[i].get(name) if last else None] + [self.grads[i].get((name, d)) for d in readers]))
         return grads
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
@@ -199,15 +190,13 @@ class P2PTransport(Transport):
                 self.grads[i][(e.name, stage)] = g
                 continue
             g = e.empty(self.sizes[i], self.wire_device, self.pinned).zero_() if g is None else g.contiguous()
-            self.sends.append(self._post(True, g, e.src % self.world, self._tag(e, i, stage),
-                                         f"grad of {e.name!r} mb {i}"))
+            self.sends.append(self._post(True, g, e.src % self.world, self._tag(e, i, stage), f"grad of {e.name!r} mb {i}"))
 
     def _finish_step(self) -> None:
         """Wait for this rank's sends, then for every rank: a step returns only if it completed everywhere."""
         self._wait(self.sends)
         if self.world > 1:
-            # A barrier cannot say which peer broke it: each rank marks its step done in the store first, so a
-            # failed barrier names the ranks that never got there.
+            # A barrier cannot say which peer broke it: each rank first marks its step done in the store, so a failed one names the ranks that never got there.
             self._steps += 1
             self._rstore.set(f"done/{self._steps}/{self.rank}", "1")
             try:
@@ -251,8 +240,7 @@ class P2PTransport(Transport):
                 raise self._comm_error(what, peer, err) from err
 
     def _poison(self) -> None:
-        """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each
-        peer blocked on us fails now."""
+        """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each peer blocked on us fails now."""
         with self._poison_lock:
             if self._poisoned or self.world < 2:
                 return
@@ -261,14 +249,11 @@ class P2PTransport(Transport):
             for group in {self.group, self.downward}:
                 group.abort()
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the expected "Timed out waiting 1ms": the context is now closed
             self.group.recv([torch.empty(1)], (self.rank + 1) % self.world, _POISON_TAG).wait(timedelta(milliseconds=1))
-        except RuntimeError:
-            pass  # the expected "Timed out waiting 1ms": the context is now closed
 
     def _watch(self) -> None:
-        """Sleeps in a store wait until some rank reports a failure (or the store dies), then poisons this
-        rank's context so the main thread's pending wait fails now."""
+        """Waits in the store until some rank reports a failure (or the store dies), then poisons this rank's context: the main thread's wait fails now."""
         store, key = self._wstore, f"wake/{self.rank}"
         while not self._wd_stop.is_set():
             try:
@@ -294,8 +279,7 @@ class P2PTransport(Transport):
     def _comm_error(self, what: str, peer: int, err: RuntimeError) -> _CommError:
         text = str(err)
         if "Timed out" in text:
-            return _CommError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s: "
-                              f"rank {peer} is hung or far too slow")
+            return _CommError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s: rank {peer} is hung or far too slow")
         who = f"rank {peer}" if peer >= 0 else "a rank"
         return _CommError(f"rank {self.rank}: {what} failed: {who} closed its connections (it died, or failed "
                           f"itself) [{type(err).__name__}: {text.splitlines()[0][:200]}]")
@@ -319,9 +303,7 @@ class P2PTransport(Transport):
         """Stop the watchdog (the pipeline stays usable only if nothing failed)."""
         self._wd_stop.set()
         if self._wd.is_alive() and self._failed is None:
-            try:
+            with contextlib.suppress(Exception):
                 self._store.set(f"wake/{self.rank}", "close")
                 self._wd.join(timeout=5)
                 self._store.delete_key(f"wake/{self.rank}")
-            except Exception:  # noqa: BLE001
-                pass

@@ -164,7 +164,7 @@ class _Run:
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
             r.start_step(self.state)
-        pipe.timeline, pipe.memory = self.state.timeline, self.state.memory or pipe.memory
+        vars(pipe).update(timeline=self.state.timeline, memory=self.state.memory or pipe.memory)  # not nn.Module's __setattr__: ~3 us each
         # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
         # its tasks, with the same numerics and no hand-off between threads.
         workers = pipe.workers

@@ -27,8 +27,7 @@ class Edge:
 
     def empty(self, rows: int, device: torch.device | None = None, pin_memory: bool = False) -> torch.Tensor:
         shape, k = self.info.shape, self.info.rows_per_sample  # a micro-batch of ``rows`` samples
-        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype,
-                           device=device, pin_memory=pin_memory)
+        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype, device=device, pin_memory=pin_memory)
 
     def to_wire(self, value: Any) -> torch.Tensor:
         if self.info.kind == "tensor":
