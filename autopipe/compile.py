@@ -15,7 +15,7 @@ from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
-from autopipe.passes.trace import BatchSpecialised, output_facts, trace
+from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
 from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
@@ -121,6 +121,12 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
     def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
         traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
+        if traced.assigned:
+            warnings.warn(f"autopipe: {type(model).__name__}'s forward assigns {listed(traced.assigned)}: the pipeline runs the traced graph, which "
+                          f"computes with the assigned values but does not store them, so the model keeps the values it had before (autopipe.verify "
+                          f"shows them). Harmless for a cache the forward rebuilds (ConViT's rel_indices); state carried from call to call (a counter, "
+                          f"a running value) is not the plain model's: a buffer updated in place (self.steps.add_(1)) is, once per micro-batch as "
+                          f"BatchNorm's statistics", stacklevel=4)
         notes = list(traced.notes)
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopipe.random_ops import op_name
-from .trace import TracedModel, specialises_batch, flat_root, user_frame
+from .trace import TracedModel, flat_root, module_state_kept, specialises_batch, user_frame
 
 
 class ExportRouteError(RuntimeError):
@@ -43,8 +44,10 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     dynamic = [b and dynamic_batch for b in is_batch]
     batch = torch.export.Dim("batch", min=1)
     try:
-        ep = torch.export.export(flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic)), strict=False,
-                                 dynamic_shapes=tuple({0: batch} if d else None for d in dynamic))
+        with module_state_kept(model) as assigned, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The tensor attribute")  # said once, by compile, with what it means here
+            ep = torch.export.export(flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic)), strict=False,
+                                     dynamic_shapes=tuple({0: batch} if d else None for d in dynamic))
     except Exception as e:
         hint = (f"\nThe model treats the batch size as a constant (e.g. reshape({batch_size}, ...)), so it cannot "
                 f'run on smaller micro-batches; TORCH_LOGS="+dynamic" shows where it specialised.'
@@ -53,6 +56,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         raise ExportRouteError(f"torch.export (non-strict, {how}) failed on {type(model).__name__}"
                                f"{user_frame(e, model)}: {type(e).__name__}: {e}{hint}") from e
 
+    eg.assigned = [a for a in assigned if a not in model._buffers]  # export writes the root's own buffers back (register_buffer_assignment_hook)
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,6 +64,7 @@ class TracedModel:
     forced_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to forward though the call did not
     notes: list[str] = field(default_factory=list)
     static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
+    assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
 
     @classmethod
     def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
@@ -191,6 +192,9 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
+    if traced.assigned:
+        traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned values but does not store them, "
+                            f"so the pipeline leaves them as they were (a cache the forward rebuilds is alike; state it carries across calls is not)")
     if static_batch is not None:
         traced.route, traced.static_batch = "export-static", static_batch
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
@@ -214,6 +218,10 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         message = _explain_failures(model, errors, traced.batch_size)
         raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
     return traced
+
+
+def listed(names: Sequence[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
 
 
 def node_where(node: fx.Node) -> str:
@@ -271,8 +279,10 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
             return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or super().is_leaf_module(m, name)
 
     root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
-    with _what_fx_cannot_record(model) as lost:
+    with module_state_kept(model) as assigned, _what_fx_cannot_record(model) as lost:
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
+    if assigned:
+        lost.append(f"the forward assigns {', '.join(assigned)}, which fx runs once while tracing")
     if lost:
         raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
     return traced
@@ -336,6 +346,42 @@ def buffers_kept(module: torch.nn.Module):
                     buffer.copy_(value)
 
 
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def module_state_kept(model: torch.nn.Module):
+    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs the forward, and an
+    assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time value, an fx Proxy or a FakeTensor in the
+    model. Yields the sorted names of the tensors assigned (``inner.steps``), filled on exit. Export puts buffers back itself: a hook sees
+    the fake tensors its forward assigns."""
+    path = {id(m): name for name, m in model.named_modules()}
+    saved = [(path[id(m)], m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for m in model.modules()]
+    assigned: set[str] = set()
+    qualified = lambda owner, name: f"{owner}.{name}" if owner else name  # noqa: E731
+
+    def fake_assigned(module, name, value):
+        if id(module) in path and isinstance(value, FakeTensor):
+            assigned.add(qualified(path[id(module)], name))
+
+    hook = torch.nn.modules.module.register_module_buffer_registration_hook(fake_assigned)
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        hook.remove()
+        for owner, m, attributes, tables in saved:
+            before = attributes | {k: v for table in tables for k, v in table.items()}
+            now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
+            assigned.update(qualified(owner, k) for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
+            vars(m).clear()
+            vars(m).update(attributes)
+            for t, table in zip(_MODULE_TABLES, tables):
+                getattr(m, t).clear()
+                getattr(m, t).update(table)
+        names += sorted(assigned)
+
+
 @contextlib.contextmanager
 def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
     """Puts back the module's 0-dim buffers (all, if asked): FakeTensorMode runs ops on real 0-dim CPU tensors for
@@ -363,7 +409,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     runs = []
     for rows in (batch, batch + 1):
         try:
-            with preserved_global_state(), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
+            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
                     FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and t.dim() and t.shape[0] == batch else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))

@@ -273,6 +273,62 @@ def test_fx_route_refuses_what_its_graph_would_lose_and_export_keeps_it(model, l
         assert not torch.equal(pipe(x), pipe(x))
 
 
+class _Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("table", torch.zeros(1, 1, dtype=torch.float64), persistent=False)
+        self.width = 8
+
+    def forward(self, x):
+        if self.table.shape[1] != self.width:  # a cache rebuilt for a new width, as ConViT's rel_indices for a new length
+            self.table = torch.arange(self.width, dtype=x.dtype)[None] / self.width
+        self.steps = self.steps + 1  # state carried across calls
+        self.last = x.detach()  # kept for a later look
+        return x * self.table
+
+
+class AssignsInForward(nn.Module):
+    """A forward that assigns module attributes: a submodule's buffers and a plain attribute, and the root's own buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Counts()
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.head(self.inner(x))
+
+
+def test_assignments_in_forward_leave_the_model_as_it_was_and_are_named():
+    """Tracing runs the forward: fx left its Proxy in ``inner.last`` and a trace-time count in the buffers, and its graph
+    read the buffers as constants. Now fx refuses, export computes with the assigned values, the model keeps what it
+    held, and compile names each assignment the pipeline does not store; export stores the root's own buffers."""
+    import autopipe
+
+    model, x = AssignsInForward(), torch.randn(4, 8, dtype=torch.float64)
+    held = {name: b for name, b in model.named_buffers()}
+    with pytest.raises(TraceError, match="the forward assigns calls, inner.last, inner.steps, inner.table"):
+        trace(model, (x,), route="fx")
+    with pytest.warns(UserWarning, match="forward assigns inner.last, inner.steps, inner.table: the pipeline runs"):
+        pipe = autopipe.compile(model, devices=2, chunks=2, example_inputs=(x,))
+    assert pipe.plan.route == "export" and any("assigns inner.last" in note for note in pipe.plan.notes)
+    assert "last" not in vars(model.inner) and {name: b for name, b in model.named_buffers()} == held
+    assert all(not b.any() for b in held.values())
+
+    reference = AssignsInForward()
+    reference.load_state_dict(model.state_dict())
+    for xs in x.split(2):  # GPipe's loop: one forward and backward a micro-batch
+        reference(xs).sum().backward()
+    pipe(x).sum().backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-12, msg=name)
+    assert model.calls.item() == reference.calls.item() == 2  # the root's buffer, stored per micro-batch
+    assert model.inner.steps.item() == 0 and reference.inner.steps.item() == 2  # what compile warned about
+
+
 class NumpyMask(nn.Module):
     """A SpecAugment-like mask from NumPy's generator (wav2vec2's _compute_mask_indices), drawn in training only."""
 
