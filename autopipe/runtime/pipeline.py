@@ -158,7 +158,7 @@ class Pipeline(torch.nn.Module):
             (self.model.training, tuple((a.shape[1:], a.dtype, a.device) for a in args))
         compiled = self._seen.get(seen) if seen is not None else None
         if compiled is not None:
-            self._current = compiled
+            vars(self)["_current"] = compiled  # past nn.Module.__setattr__, as step.py sets the timeline
             sizes = microbatch.micro_batch_sizes(args[0].shape[0], self.chunks)
             if compiled.covers(sizes):
                 return compiled, list(args), sizes
