@@ -262,20 +262,26 @@ def _copy(model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, mode: 
     return twin if mode is None else twin.train(mode), pytree.tree_map_only(torch.Tensor, cast, inputs)
 
 
-def _randomness(model: torch.nn.Module, args, kwargs, dtype: torch.dtype | None = None, mode: bool | None = None):
-    """Three forwards of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout)
-    equal under one seed only; IRREPRODUCIBLE not even that (a Python counter, the model's own generator)."""
+def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: torch.dtype | None = None, mode: bool | None = None):
+    """Three steps of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout) equal under one seed only;
+    IRREPRODUCIBLE not even that (a Python counter, the model's own generator). The gradients count with the outputs: a branch behind a
+    zero-initialised gain (layer scale, Swin V2's post-norm) hides its dropout from the outputs, not from the gain's gradient."""
     twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
     results = []
-    with preserved_global_state(), torch.no_grad():
+    with preserved_global_state(), torch.enable_grad():
         torch.set_num_threads(1)
         for seed in (1, 1, 2):
-            for buffer, before in buffers:
-                buffer.copy_(before)
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    buffer.copy_(before)
+            twin.zero_grad(set_to_none=True)
             torch.manual_seed(seed)
-            results.append([t for _, t in _leaves(twin(*args, **kwargs))])
-    same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
+            output = twin(*args, **kwargs)
+            if (loss := loss_fn(output)).requires_grad:
+                loss.backward()
+            results.append([t for _, t in _leaves(output)] + [p.grad for p in twin.parameters() if p.grad is not None])
+    same = [len(r) == len(results[0]) and all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
     return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] else RANDOM
 
 
@@ -360,9 +366,9 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     # structure: the pipeline against the plain model, in float64 or else in the model's own dtype
     for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None), (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
         try:
-            randomness = _randomness(model, args, kwargs, dtype)
+            randomness = _randomness(model, args, kwargs, loss_fn or default_loss, dtype)
             compare = training if randomness != RANDOM else False if (
-                training and _randomness(model, args, kwargs, dtype, False) == DETERMINISTIC) else None  # None: no mode
+                training and _randomness(model, args, kwargs, loss_fn or default_loss, dtype, False) == DETERMINISTIC) else None  # None: no mode
             reference = None if compare is None else run(dtype, "loop", compare, threads=1)
             break
         except Exception as e:

@@ -184,13 +184,37 @@ def test_a_forward_that_writes_a_buffer_it_reads_gets_the_micro_batch_loops_grad
 
 
 def test_a_forward_that_updates_and_reads_its_buffers_counts_as_deterministic():
-    from autopipe.verify import DETERMINISTIC, IRREPRODUCIBLE, _randomness
+    from autopipe.verify import DETERMINISTIC, IRREPRODUCIBLE, _randomness, default_loss
     torch.manual_seed(0)
     x = torch.randn(8, 8)
     model = RunningScale().train()
-    assert _randomness(model, (x,), {}) == DETERMINISTIC
+    assert _randomness(model, (x,), {}, default_loss) == DETERMINISTIC
     assert torch.equal(model.scale, torch.full((8,), 2.0))  # on a copy
-    assert _randomness(Annealed(), (x,), {}) == IRREPRODUCIBLE
+    assert _randomness(Annealed(), (x,), {}, default_loss) == IRREPRODUCIBLE
+
+
+class GatedDropout(nn.Module):
+    """A branch behind a zero-initialised gain (layer scale, ReZero, Swin V2's post-norm): its dropout changes no output at first, only the
+    gain's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+        self.gain = nn.Parameter(torch.zeros(8))
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.head(x + self.gain * self.branch(x))
+
+
+def test_dropout_that_only_the_gradients_show_is_found_and_compared_in_eval_mode():
+    """The outputs alone called this model deterministic: the structure part compared the pipeline's dropout masks with the plain
+    model's in train mode and failed on a correct pipeline (timm's Swin V2 CR, whose post-norm gains start at zero)."""
+    torch.manual_seed(0)
+    report = autopipe.verify(GatedDropout().train(), (torch.randn(8, 8),), devices=2, chunks=2)
+    assert report.passed, f"\n{report}"
+    assert any("draws random numbers in train mode" in n for n in report.notes)
+    assert "eval mode" in report.structure[0].reference
 
 
 def test_a_difference_in_the_last_bit_fails_the_replay():

@@ -194,8 +194,8 @@ class _Run:
 
     def _note_peaks(self) -> None:
         """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
-        self.peaks_before = {s.device: torch.cuda.max_memory_allocated(s.device) for s in self.compiled.stages
-                             if s.device.type == "cuda" and self.state.memory is not None}
+        self.peaks_before = {} if self.state.memory is None else \
+            {s.device: torch.cuda.max_memory_allocated(s.device) for s in self.compiled.stages if s.device.type == "cuda"}
 
     def forward(self) -> list[torch.Tensor]:
         self._note_peaks()
@@ -222,7 +222,7 @@ class _Run:
         return self._input_grads(), self._param_grads()
 
     def _cuda_peaks(self) -> None:
-        for stage in self.compiled.stages:
+        for stage in self.compiled.stages if self.peaks_before else ():
             if stage.device in self.peaks_before:
                 peak = torch.cuda.max_memory_allocated(stage.device)
                 if peak > self.peaks_before[stage.device]:
