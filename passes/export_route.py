@@ -44,7 +44,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     dynamic = [b and dynamic_batch for b in is_batch]
     batch = torch.export.Dim("batch", min=1)
     try:
-        with module_state_kept(model) as assigned, warnings.catch_warnings():
+        with module_state_kept(model), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The tensor attribute")  # said once, by compile, with what it means here
             ep = torch.export.export(flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic)), strict=False,
                                      dynamic_shapes=tuple({0: batch} if d else None for d in dynamic))
@@ -56,7 +56,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         raise ExportRouteError(f"torch.export (non-strict, {how}) failed on {type(model).__name__}"
                                f"{user_frame(e, model)}: {type(e).__name__}: {e}{hint}") from e
 
-    eg.assigned = [a for a in assigned if a not in model._buffers]  # export writes the root's own buffers back (register_buffer_assignment_hook)
+    eg.assigned = [a for a in eg.assigned if a not in model._buffers]  # export writes the root's own buffers back (register_buffer_assignment_hook)
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention

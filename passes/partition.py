@@ -384,14 +384,14 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
                 (size := next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")), None)) is not None:
             notes.append(f"{node_where(n)} computes batch rows with {size.name}, a number set by the batch size (x.shape[0]): each micro-batch uses "
                          f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")
-        source = next((statistic[a] for a in n.all_input_nodes if a in statistic), None)
+        source = next((statistic[a] for a in _value_inputs(n) if a in statistic), None)
         if rows_per_sample(n) and source is not None:
             readers.setdefault(source, n)
         elif not _floating(n):  # counts and offsets (a grouped expert dispatch's histc, cumsum) only order the work
             continue
         elif not rows_per_sample(n) and source is not None:
             statistic[n] = source
-        elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in n.all_input_nodes) and not _shape_only(n):
+        elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in _value_inputs(n)) and not _shape_only(n):
             statistic[n] = n
     return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch computes it "
                     f"over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients are not the plain model's; "
@@ -420,6 +420,12 @@ _ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "div", "floordiv", "pow
 
 def _floating(n: fx.Node) -> bool:
     return isinstance(v := n.meta.get("val"), torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _value_inputs(n: fx.Node) -> list[fx.Node]:
+    """The inputs whose values an op reads: ``x.type_as(y)`` and ``x.to(y)`` read only y's dtype and device."""
+    first = n.args[0] if n.args else None
+    return [first] if op_name(n.target) in ("type_as", "to") and isinstance(first, fx.Node) else n.all_input_nodes
 
 
 def _shape_only(n: fx.Node) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -263,7 +263,15 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
     """A module sharing the model's children, parameters and buffers, so a graph of it names them as the model
     does, whose forward takes one argument per tensor leaf of the call and calls ``fn`` (the model) as the call."""
     params = ", ".join(traced.input_names)
-    namespace: dict[str, Any] = {"_autopipe_call": lambda tensors: traced._call_flat(fn, tensors)}
+
+    def call(tensors):  # assignments are seen here: export puts the attributes back before it returns
+        state = _module_state(model)
+        try:
+            return traced._call_flat(fn, tensors)
+        finally:
+            traced.assigned = sorted(set(traced.assigned) | _assigned_since(state))
+
+    namespace: dict[str, Any] = {"_autopipe_call": call}
     exec(f"def forward(self, {params}):\n    return _autopipe_call(({params},))\n", namespace)
     root = type(f"{type(model).__name__}Flat", (torch.nn.Module,), {"forward": namespace["forward"]})()
     root._modules, root._parameters, root._buffers = model._modules, model._parameters, model._buffers
@@ -279,10 +287,10 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
             return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or super().is_leaf_module(m, name)
 
     root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
-    with module_state_kept(model) as assigned, _what_fx_cannot_record(model) as lost:
+    with module_state_kept(model), _what_fx_cannot_record(model) as lost:
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
-    if assigned:
-        lost.append(f"the forward assigns {', '.join(assigned)}, which fx runs once while tracing")
+    if traced.assigned:
+        lost.append(f"the forward assigns {', '.join(traced.assigned)}, which fx runs once while tracing")
     if lost:
         raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
     return traced
@@ -349,37 +357,35 @@ def buffers_kept(module: torch.nn.Module):
 _MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 
 
+def _module_state(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, list[dict]]]:
+    return [(name, m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for name, m in model.named_modules()]
+
+
+def _assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) -> set[str]:
+    """The module attributes and tables' entries holding another tensor (or fx Proxy) than in ``state``: ``inner.steps``."""
+    found = set()
+    for owner, m, attributes, tables in state:
+        before = attributes | {k: v for table in tables for k, v in table.items()}
+        now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
+        found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
+    return found
+
+
 @contextlib.contextmanager
 def module_state_kept(model: torch.nn.Module):
     """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs the forward, and an
     assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time value, an fx Proxy or a FakeTensor in the
-    model. Yields the sorted names of the tensors assigned (``inner.steps``), filled on exit. Export puts buffers back itself: a hook sees
-    the fake tensors its forward assigns."""
-    path = {id(m): name for name, m in model.named_modules()}
-    saved = [(path[id(m)], m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for m in model.modules()]
-    assigned: set[str] = set()
-    qualified = lambda owner, name: f"{owner}.{name}" if owner else name  # noqa: E731
-
-    def fake_assigned(module, name, value):
-        if id(module) in path and isinstance(value, FakeTensor):
-            assigned.add(qualified(path[id(module)], name))
-
-    hook = torch.nn.modules.module.register_module_buffer_registration_hook(fake_assigned)
-    names: list[str] = []
+    model (flat_root's call names the assignments)."""
+    state = _module_state(model)
     try:
-        yield names
+        yield
     finally:
-        hook.remove()
-        for owner, m, attributes, tables in saved:
-            before = attributes | {k: v for table in tables for k, v in table.items()}
-            now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
-            assigned.update(qualified(owner, k) for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
+        for _, m, attributes, tables in state:
             vars(m).clear()
             vars(m).update(attributes)
             for t, table in zip(_MODULE_TABLES, tables):
                 getattr(m, t).clear()
                 getattr(m, t).update(table)
-        names += sorted(assigned)
 
 
 @contextlib.contextmanager

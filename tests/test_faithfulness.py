@@ -687,14 +687,15 @@ ACROSS_THE_BATCH = {  # how the rows depend on other micro-batches -> the node c
 
 class PerSampleValues(nn.Module):
     """Values over the batch that meet no batch rows: a BatchNorm module, a per-sample mean, a sequence flipped, a loss
-    beside the rows."""
+    beside the rows; and a table that takes only the rows' dtype (VideoMAE's ``position_embeddings.type_as(embeddings)``)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+        self.register_buffer("table", torch.randn(8))
 
     def forward(self, x):
-        h = self.norm(self.a(x)).view(x.shape[0], -1)  # the batch size as a shape: no arithmetic with it
+        h = self.norm(self.a(x)).view(x.shape[0], -1) + self.table.type_as(x)  # the batch size as a shape: no arithmetic with it
         out = self.b(h - h.mean(1, keepdim=True) + h.flip(1))
         return out, out.pow(2).sum() / x.shape[0]
 
