@@ -179,8 +179,8 @@ class _Step:  # what one training step computed
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameters held by several stages
 
 
-def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int) -> _Step:
-    torch.manual_seed(SEED)
+def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int, seed: int = SEED) -> _Step:
+    torch.manual_seed(seed)
     torch.set_num_threads(threads)
     output = forward()
     loss = loss_fn(output)
@@ -269,19 +269,15 @@ def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: 
     twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
     results = []
-    with preserved_global_state(), torch.enable_grad():
-        torch.set_num_threads(1)
+    with preserved_global_state(), torch.enable_grad():  # _step sets the seed and one thread
         for seed in (1, 1, 2):
             with torch.no_grad():
                 for buffer, before in buffers:
                     buffer.copy_(before)
             twin.zero_grad(set_to_none=True)
-            torch.manual_seed(seed)
-            output = twin(*args, **kwargs)
-            if (loss := loss_fn(output)).requires_grad:
-                loss.backward()
-            results.append([t for _, t in _leaves(output)] + [p.grad for p in twin.parameters() if p.grad is not None])
-    same = [len(r) == len(results[0]) and all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
+            step = _step(twin, lambda: twin(*args, **kwargs), loss_fn, threads=1, seed=seed)
+            results.append([t for _, t in step.outputs] + list(step.grads.values()))
+    same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
     return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] else RANDOM
 
 
