@@ -17,7 +17,7 @@ from tabulate import tabulate
 from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
-from autopipe.passes.trace import register_dataclasses
+from autopipe.passes.trace import named_leaves, register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split, split_target
 from autopipe.runtime.step import model_loss
 
@@ -192,12 +192,7 @@ def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable,
 
 def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in a (nested) output, as the pipeline flattens and merges it."""
-    tree = register_dataclasses(output)
-    try:
-        pairs = [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]
-    except ValueError:  # a pytree node registered without keys (diffusers' outputs): by position
-        pairs = [(f"output[{i}]", t) for i, t in enumerate(pytree.tree_leaves(tree))]
-    return [(name, t) for name, t in pairs if isinstance(t, torch.Tensor)]
+    return [(name, t) for name, t in named_leaves(output) if isinstance(t, torch.Tensor)]
 
 
 def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> Row:

@@ -136,7 +136,7 @@ def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, ba
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
     from_batch = _from_batch(gm)
-    merges = _scalar_merges(gm, from_batch, costed.traced.static_batch is not None)
+    merges = _scalar_merges(gm, from_batch)
     together = _samples_together(gm, from_batch)
     mixed = _samples_mixed(gm, from_batch)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
@@ -193,10 +193,9 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
             "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
-def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node], static: bool) -> dict[fx.Node, str]:
+def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, str]:
     """How each 0-dim float output merges over micro-batches: "mean" (a mean over samples, or no batch in it: the size-weighted mean), "sum" (a sum
-    over samples, or one divided by a number the batch does not set, as Hugging Face's ``num_items_in_batch``), or "unknown". ``static``: a graph
-    exported at one micro-batch size, where a number may be that size."""
+    over samples, or one divided by a number the batch does not set, as Hugging Face's ``num_items_in_batch``), or "unknown"."""
 
     def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -234,7 +233,7 @@ def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node], static: bool) -
             if name == "mul" and a not in from_batch:
                 a, b = b, a
             if b not in from_batch:
-                return "unknown" if static and not isinstance(b, fx.Node) else kind(a, n)  # the literal may be the batch
+                return "unknown" if n.meta.get("batch_literal") and not isinstance(b, fx.Node) else kind(a, n)  # trace's fact: the batch size
             sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
             if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and rows_per_sample(b.args[0]) == 1 and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
@@ -289,7 +288,8 @@ def _samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.No
             name = op_name(n.target)
         if name in _RESHAPES:
             return first in together or rows_per_sample(first) == 1
-        if first not in together or rows_per_sample(first) != k or any(a.meta.get("batch_number") for a in n.all_input_nodes):
+        if first not in together or rows_per_sample(first) != k or n.meta.get("batch_literal") is True or \
+                any(a.meta.get("batch_number") for a in n.all_input_nodes):
             return False  # y * y.shape[0]: a number that differs between micro-batches
         if name in _ON_ROWS:  # a 2-D operand with these rows would be summed over them
             return all(a not in from_batch or (a.meta["val"].dim() > 2 and a in together and rows_per_sample(a) == k) for a in others)
@@ -380,9 +380,10 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
         if _reorders_batch(n):
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
-        if rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and \
-                (size := next((a for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")), None)) is not None:
-            notes.append(f"{node_where(n)} computes batch rows with {size.name}, a number set by the batch size (x.shape[0]): each micro-batch uses "
+        size = next((a.name for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")),
+                    "a literal" if n.meta.get("batch_literal") is True else None)  # trace's facts
+        if rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
+            notes.append(f"{node_where(n)} computes batch rows with {size}, a number set by the batch size (x.shape[0]): each micro-batch uses "
                          f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")
         source = next((statistic[a] for a in _value_inputs(n) if a in statistic), None)
         if rows_per_sample(n) and source is not None:

@@ -177,7 +177,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     else:
         if static_batch > batch:
             raise ValueError(f"static_batch={static_batch} is more rows than the example inputs have ({batch})")
-        arguments = pytree.tree_map_only(torch.Tensor, lambda x: x[:static_batch] if x.dim() > 0 and x.shape[0] == batch else x, arguments)
+        whole, arguments = arguments, _batch_rows(arguments, batch, static_batch)
         attempts = [(f"torch.export (non-strict, static shapes, batch {static_batch})",
                      lambda: export_flat_graph(model, arguments, static_batch, dynamic_batch=False))]
     errors: list[tuple[str, BaseException]] = []
@@ -201,16 +201,18 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                             f"dimension): the model treats the batch size as a constant")
     inputs = traced.flatten_inputs(arguments)
     try:
-        _propagate_fake_shapes(traced.graph_module, inputs)
+        _shaped(traced, inputs)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
         raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {_first_line(e)}) has a shape that depends "
                          f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
                          f"needs to cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or "
                          f"run it outside the model") from e
-    _unpack_sequence_outputs(traced)
+    if static_batch is not None:
+        _count_rows_per_sample(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
+        return traced
     try:
-        _count_rows_per_sample(traced.graph_module, inputs, traced.batch_size, static_batch is None)
+        _count_rows_per_sample(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
     except Exception as e:  # the graph runs at the traced batch size alone
         failed = re.search(r"While executing %(\w+)", str(e))
         node = next((n for n in traced.graph_module.graph.nodes if failed and n.name == failed.group(1)), None)
@@ -407,47 +409,27 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
                 buffer.copy_(value)
 
 
-def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
-    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs: a model exported at its micro-batch size
-    (static_batch) shows its outputs at that size alone. Shape None: not a tensor. The pairing op is the first op the leaf is computed from
-    whose result holds the batch in two dims (contrastive logits), seen by a second run one row larger with the same ops ("": none, or the
-    runs differ). None where the model cannot run on fake tensors."""
-    runs = []
-    for rows in (batch, batch + 1):
-        try:
-            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                    FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and t.dim() and t.shape[0] == batch else t  # noqa: E731
-                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
-                with _OpRecorder() as ops:
-                    out = register_dataclasses(model(*fake_args, **fake_kwargs))
-            runs.append((pytree.tree_flatten_with_path(out)[0], ops.ops))
-        except Exception:  # noqa: BLE001 - data-dependent ops, pytree nodes without keys: nothing learnt
-            if not runs:
-                return None
-    (with_paths, ops), mixed = runs[0], {}
-    if len(runs) == 2 and [op[0] for op in ops] == [op[0] for op in runs[1][1]]:
-        for (func, inputs, outputs), (_, _, grown) in zip(ops, runs[1][1]):
-            source = next((mixed[id(t)] for t in inputs if id(t) in mixed), None)
-            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1 for a, b in zip(outputs, grown)):
-                source = str(func)
-            mixed.update((id(t), source) for t in outputs if source)
-    return [("output" + pytree.keystr(path), tuple(t.shape) if isinstance(t, torch.Tensor) else None, mixed.get(id(t), ""))
-            for path, t in with_paths]
+def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, tuple | None]] | None:
+    """(path, shape) of each of the model's output leaves, run eagerly on fake inputs: a model exported at its micro-batch size (static_batch)
+    shows its outputs at that size alone. Shape None: not a tensor. None where the model cannot run on fake tensors."""
+    try:
+        with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
+                FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
+            leaves = named_leaves(model(*fake_args, **fake_kwargs))
+    except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
+        return None
+    return [(path, tuple(t.shape) if isinstance(t, torch.Tensor) else None) for path, t in leaves]
 
 
-class _OpRecorder(TorchDispatchMode):
-    """Each aten op with its tensor inputs and outputs, kept alive so that their ids stay theirs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
-        self.ops.append((func, tensors((args, kwargs)), tensors(out)))
-        return out
+def named_leaves(output: Any) -> list[tuple[str, Any]]:
+    """("output['logits']", leaf) for each leaf of a model's output, in the order the pipeline flattens it; by position for a pytree node
+    registered without keys (diffusers' outputs)."""
+    tree = register_dataclasses(output)
+    try:
+        return [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]
+    except ValueError:
+        return [(f"output[{i}]", t) for i, t in enumerate(pytree.tree_leaves(tree))]
 
 
 class _MetaProp(fx.Interpreter):
@@ -493,30 +475,74 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         FakeTensorProp(gm, mode).propagate(*inputs)
 
 
-def _count_rows_per_sample(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int, dynamic: bool) -> None:
-    """node.meta "rows_per_sample", "pairs_samples", "batch_free" and "batch_number" from a second run on fake inputs one row larger
-    (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). A graph of one static batch size
-    has only its batch tensors (k = 1)."""
+def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
+    _propagate_fake_shapes(traced.graph_module, flat_inputs)
+    _unpack_sequence_outputs(traced)
+
+
+def _batch_rows(arguments: dict[str, Any], batch: int, rows: int) -> dict[str, Any]:
+    """The arguments with ``rows`` rows of each batch tensor: its first rows, the last one repeated where it has fewer."""
+    def take(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[0] != batch:
+            return x
+        return x[:rows] if rows <= batch else torch.cat([x, x[-1:].expand(rows - batch, *x.shape[1:])])
+    return pytree.tree_map_only(torch.Tensor, take, arguments)
+
+
+def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) -> dict[fx.Node, Any]:
+    """Each node's value when the graph runs on fake inputs one row larger."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
-    grown: dict[fx.Node, Any] = {}
-    if dynamic:
-        try:
-            _propagate_fake_shapes(gm, flat_inputs, rows=batch + 1)
-            grown = {n: n.meta.get("val") for n in gm.graph.nodes}
-        finally:
-            for n, val in at_batch.items():
-                n.meta["val"] = val
-    for n, val in at_batch.items():
+    try:
+        _propagate_fake_shapes(gm, flat_inputs, rows=batch + 1)
+        return {n: n.meta.get("val") for n in gm.graph.nodes}
+    finally:
+        for n, val in at_batch.items():
+            n.meta["val"] = val
+
+
+def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, whole: dict[str, Any], batch: int, rows: int) -> dict[fx.Node, Any] | None:
+    """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two graphs differ in more than
+    their literals: a graph of one static size cannot run at another, and a second export gives it the dynamic graph's batch facts."""
+    from .export_route import export_flat_graph
+
+    arguments = _batch_rows(whole, batch, rows + 1)
+    try:
+        other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
+        _shaped(other, other.flatten_inputs(arguments))
+    except Exception:  # the model's Python may fix the batch size it runs at
+        return None
+    pairs = list(zip(gm.graph.nodes, other.graph_module.graph.nodes))
+    if len(gm.graph.nodes) != len(other.graph_module.graph.nodes) or \
+            any((a.op, a.target, a.name, type(a.meta.get("val"))) != (b.op, b.target, b.name, type(b.meta.get("val"))) for a, b in pairs):
+        return None
+    for a, b in pairs:
+        if _literals(a) != _literals(b):
+            a.meta["batch_literal"] = True  # reshape(2, -1) at 2 rows, reshape(3, -1) at 3: a number set by the batch size
+    return {a: b.meta.get("val") for a, b in pairs}
+
+
+def _literals(n: fx.Node) -> list[Any]:
+    return [a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node)]
+
+
+def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
+    """node.meta "rows_per_sample", "pairs_samples", "batch_free" and "batch_number" from each node's value at ``batch`` rows and its value
+    one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it
+    (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the batch size."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if grown is None and _literals(n):
+            n.meta["batch_literal"] = "maybe"
         if isinstance(val, torch.Tensor):
             k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
-            if k > 1 and not dynamic or dynamic and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
-                k = 0  # in a static graph, what looks like k rows a sample may hold more samples' elements than k rows do
+            if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
+                k = 0  # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
             n.meta["rows_per_sample"] = k
-            if dynamic and sum(a != b for a, b in zip(val.shape, grown[n].shape)) > 1:
+            if grown is not None and sum(a != b for a, b in zip(val.shape, grown[n].shape)) > 1:
                 n.meta["pairs_samples"] = True  # u @ v.T of two batches (contrastive logits): the batch in two dims
-            if dynamic and tuple(val.shape) == tuple(grown[n].shape):
+            if grown is not None and tuple(val.shape) == tuple(grown[n].shape):
                 n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
-        elif isinstance(val, int) and dynamic and grown[n] != val:
+        elif isinstance(val, int) and grown is not None and grown[n] != val:
             n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
 
 
