@@ -3,7 +3,6 @@ from autopipe.passes.partition import NoFeasiblePlan
 from autopipe.passes.trace import BatchSpecialised, InputMismatch, TraceError
 from autopipe.random_ops import UnroutedRandomOp
 from autopipe.runtime.executor import StageFailure
-from autopipe.runtime.microbatch import BatchMismatch
 from autopipe.runtime.p2p import PipelineError
 
-__all__ = ["BatchMismatch", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
+__all__ = ["BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]

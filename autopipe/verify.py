@@ -18,7 +18,7 @@ from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, r
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
 from autopipe.passes.trace import named_leaves, register_dataclasses
-from autopipe.runtime.microbatch import merge, micro_batch_sizes, split, split_target
+from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
 from autopipe.runtime.step import model_loss
 
 STRUCTURE_TOLERANCE = 1e-10          # float64: a correct pipeline is at ~1e-15
@@ -316,9 +316,6 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
     batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
     sizes = micro_batch_sizes(batch, chunks)
-    tensors = [(str(path[1].key) if path[0].idx and len(path) == 2 else ("args", "kwargs")[path[0].idx] + pytree.keystr(path[1:]), t)
-               for path, t in pytree.tree_flatten_with_path((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    split([t for _, t in tensors], [name for name, _ in tensors], sizes)  # as the pipeline: every tensor argument carries the batch
     facts = _output_facts(model, args, kwargs, devices, chunks)
 
     def merged(outputs: list[Any]) -> Any:  # as the pipeline merges: as its plan says

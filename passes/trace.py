@@ -169,7 +169,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     traced = TracedModel.for_call(signature, arguments)
     if not traced.tensor_positions:
         raise TypeError(f"{type(model).__name__}.forward was called with no tensor argument; nothing to pipeline")
-    traced.batch_size = batch = _batch_size(traced.flatten_inputs(arguments), traced.input_names)
+    traced.batch_size = batch = _batch_size(traced.flatten_inputs(arguments), traced.input_names[0])
     if static_batch is None:
         fx_route = ("torch.fx.symbolic_trace", lambda: _trace_fx(model, traced, leaf_modules))
         export = ("torch.export (non-strict, dynamic batch)", lambda: export_flat_graph(model, arguments, batch))
@@ -459,14 +459,14 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
     gm.recompile()
 
 
-def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], rows: int | None = None) -> None:
-    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``rows``: with the inputs' dim 0 made that many rows."""
+def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int | None = None) -> None:
+    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``batch``: with the batch inputs one row larger."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
-    if rows is not None:  # empty on meta, or fake under the mode: no memory either way
+    if batch is not None:  # empty on meta, or fake under the mode: no memory either way
         with mode if not meta_params else contextlib.nullcontext():
-            inputs = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) if t.dim() else t for t in inputs]
+            inputs = [torch.empty((batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device) if carries_batch(t, batch) else t for t in inputs]
     if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
@@ -493,7 +493,7 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
     """Each node's value when the graph runs on fake inputs one row larger."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     try:
-        _propagate_fake_shapes(gm, flat_inputs, rows=batch + 1)
+        _propagate_fake_shapes(gm, flat_inputs, batch=batch)
         return {n: n.meta.get("val") for n in gm.graph.nodes}
     finally:
         for n, val in at_batch.items():
@@ -559,15 +559,16 @@ def _leaf_names(paths: Iterable[tuple]) -> list[str]:
     return names
 
 
-def _batch_size(tensors: list[torch.Tensor], names: list[str]) -> int:
+def carries_batch(t: torch.Tensor, batch: int) -> bool:
+    """Is ``t`` a batch tensor (dim 0 = the batch), which micro-batches cut, rather than one each gets whole?"""
+    return t.dim() > 0 and t.shape[0] == batch
+
+
+def _batch_size(tensors: list[torch.Tensor], first: str) -> int:
+    """The first tensor argument's dim 0; a tensor argument of another dim 0 goes whole to every micro-batch (runtime/microbatch.py)."""
     if tensors[0].dim() == 0:
-        raise ValueError(f"argument {names[0]!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
-    batch = tensors[0].shape[0]
-    for name, t in zip(names, tensors):
-        if t.dim() > 0 and t.shape[0] != batch:
-            raise ValueError(f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} (from {names[0]!r}); every tensor "
-                             f"argument must carry the same batch in dim 0 (keep other tensors as module buffers)")
-    return batch
+        raise ValueError(f"argument {first!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
+    return tensors[0].shape[0]
 
 
 def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]], batch_size: int | None = None) -> str:

@@ -203,6 +203,41 @@ def test_a_random_op_that_cannot_take_a_generator_is_refused_naming_it():
                          example_inputs=(torch.randn(4, 2, 8),))
 
 
+class GivenMaskAndTable(nn.Module):
+    """A transformer layer given its (seq, seq) causal mask and a (seq, d) position table as arguments: neither carries the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask, positions):
+        return self.head(self.layer(x + positions, src_mask=mask))
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_tensor_arguments_without_the_batch_go_whole_to_every_micro_batch(route):
+    """They were refused ("every tensor argument must carry the same batch in dim 0"); the gradient of one that requires grad is the
+    sum of the micro-batches' gradients, as autograd gives the plain model's."""
+    torch.manual_seed(0)
+    model = GivenMaskAndTable().double()
+    reference = copy.deepcopy(model)
+    mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    x, positions = torch.randn(6, 5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    pipe = autopipe.compile(model, devices=2, chunks=3, route=route)
+    inputs = [(x.clone().requires_grad_(), positions.clone().requires_grad_()) for _ in range(2)]
+    got, want = pipe(inputs[0][0], mask, inputs[0][1]), reference(inputs[1][0], mask, inputs[1][1])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    for mine, theirs in zip(*inputs):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    longer = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)  # another shape of a whole tensor: planned again
+    assert pipe(torch.randn(6, 7, 8, dtype=torch.float64), longer, torch.zeros(7, 8, dtype=torch.float64)).shape == (6, 7, 3)
+
+
 # -- 6. autograd entry points ---------------------------------------------------------------------
 
 def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():

@@ -69,9 +69,14 @@ def test_input_on_the_wrong_device_and_wrong_dtype():
 
 
 def test_batch_sizes_that_disagree():
+    """b of 3 rows beside a batch of 4 is not a batch tensor: it goes whole to every micro-batch, and the pipeline plans again for
+    it and fails as the plain model does, on the model's own op."""
     model = build("two_inputs")
     pipe = autopipe.compile(model, devices=2, chunks=2)
-    with pytest.raises(ValueError, match="'b' has 3 rows in dim 0 but the batch is 4"):
+    pipe(torch.randn(4, 6), torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        model(torch.randn(4, 6), torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         pipe(torch.randn(4, 6), torch.randn(3, 4))
 
 

@@ -187,7 +187,7 @@ class DistributedPipeline(torch.nn.Module):
         traced, transport, runners = self._program.traced, self._transport, self._runners
         flat = traced.flat_inputs(args, kwargs)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
-        local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, traced.input_names, sizes)]
+        local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, sizes)]
         schedule = self._schedule(len(sizes))
         state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint, schedule=schedule,
                                 deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False, devices=self.options.devices[:1])

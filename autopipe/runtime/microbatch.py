@@ -1,4 +1,5 @@
-"""Split the trace's flat tensor inputs into micro-batches on dim 0 (sizes differ by at most one) and merge outputs."""
+"""Split the trace's flat tensor inputs into micro-batches on dim 0 (sizes differ by at most one) and merge outputs. A tensor argument whose
+dim 0 is not the batch (a (seq, seq) attention mask, Flux's position ids) goes whole to every micro-batch, as the plain model sees it."""
 from __future__ import annotations
 
 import warnings
@@ -7,11 +8,8 @@ from typing import Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from autopipe.passes.trace import carries_batch
 from autopipe.plan import TensorInfo
-
-
-class BatchMismatch(ValueError):
-    """Tensor arguments that should share a batch dimension do not."""
 
 
 def micro_batch_sizes(batch: int, chunks: int) -> list[int]:
@@ -26,15 +24,14 @@ def micro_batch_sizes(batch: int, chunks: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
-def split(inputs: Sequence[torch.Tensor], names: Sequence[str], sizes: list[int]) -> list[list[torch.Tensor]]:
-    """``[micro_batch][input]``: batch tensors cut on dim 0, 0-dim tensors given to every micro-batch."""
-    batch = sum(sizes)
-    columns = []
-    for name, t in zip(names, inputs):
-        if t.dim() > 0 and t.shape[0] != batch:
-            raise BatchMismatch(f"argument {name!r} has {t.shape[0]} rows in dim 0 but the batch is {batch} "
-                                f"(from {names[0]!r}); every tensor argument must carry the same batch in dim 0")
-        columns.append(list(torch.split(t, sizes)) if t.dim() > 0 and len(sizes) > 1 else [t] * len(sizes))
+def shape_key(t: torch.Tensor, batch: int) -> tuple:
+    """What a graph traced for ``t`` fixes of its shape: all but the batch, or all of a tensor given whole to every micro-batch."""
+    return tuple(t.shape[1:]) if carries_batch(t, batch) else ("whole", *t.shape)
+
+
+def split(inputs: Sequence[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
+    """``[micro_batch][input]``: batch tensors cut on dim 0, others given whole to every micro-batch."""
+    columns = [list(torch.split(t, sizes)) if carries_batch(t, sum(sizes)) and len(sizes) > 1 else [t] * len(sizes) for t in inputs]
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in sizes]
 
 
@@ -78,5 +75,5 @@ def split_target(target, sizes: list[int]) -> list:
     """A loss target per micro-batch: tensors (also in tuples, lists, dicts) with the batch in dim 0 are cut
     like the inputs; anything else goes to every micro-batch."""
     leaves, spec = pytree.tree_flatten(target)
-    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == sum(sizes) else [t] * len(sizes) for t in leaves]
+    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and carries_batch(t, sum(sizes)) else [t] * len(sizes) for t in leaves]
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(len(sizes))]

@@ -149,13 +149,14 @@ class Pipeline(torch.nn.Module):
 
     def _key(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        shapes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
+        batch = next((t.shape[0] if t.dim() else None for t in leaves if isinstance(t, torch.Tensor)), None)
+        shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
         return (self.model.training, spec, shapes)
 
     def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:
         # a call of tensors only, like one that passed every check below: its compiled program again
-        seen = None if kwargs or not all(type(a) is torch.Tensor for a in args) else \
-            (self.model.training, tuple((a.shape[1:], a.dtype, a.device) for a in args))
+        seen = None if kwargs or not args or not all(type(a) is torch.Tensor for a in args) or not args[0].dim() else \
+            (self.model.training, tuple((microbatch.shape_key(a, args[0].shape[0]), a.dtype, a.device) for a in args))
         compiled = self._seen.get(seen) if seen is not None else None
         if compiled is not None:
             vars(self)["_current"] = compiled  # past nn.Module.__setattr__, as step.py sets the timeline

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from autopipe.passes.trace import carries_batch
+
 from . import microbatch
 from .executor import Loss, run_tasks
 from .schedule import Schedule, Task
@@ -159,7 +161,7 @@ class _Run:
             deferred_model=pipe.model if pipe.deferred_batch_norm else None, track_memory=pipe.track_memory,
             devices=pipe.devices)
         self.input_grad = [training and t.requires_grad for t in flat]
-        rows = microbatch.split(flat, compiled.traced.input_names, self.sizes)
+        rows = microbatch.split(flat, self.sizes)
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
@@ -242,7 +244,7 @@ class _Run:
 
     def _input_grads(self) -> list[torch.Tensor | None]:
         grads = []
-        for k, (name, needed) in enumerate(zip(self.compiled.traced.input_names, self.input_grad)):
+        for k, needed in enumerate(self.input_grad):
             if not needed:
                 grads.append(None)
                 continue
@@ -250,9 +252,9 @@ class _Run:
             if all(p is None for p in parts):
                 grads.append(None)
                 continue
-            rows = microbatch.split([self.flat[k]], [name], self.sizes)  # each part on the input's device
+            rows = microbatch.split([self.flat[k]], self.sizes)  # each part on the input's device
             parts = [torch.zeros_like(r[0]) if p is None else p.to(r[0].device) for p, r in zip(parts, rows)]
-            grads.append(sum(parts) if self.flat[k].dim() == 0 else torch.cat(parts))
+            grads.append(torch.cat(parts) if carries_batch(self.flat[k], self.batch) else sum(parts))
         return grads
 
     def _param_grads(self) -> list[torch.Tensor | None]:

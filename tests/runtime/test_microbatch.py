@@ -11,7 +11,7 @@ def test_sizes_cover_the_batch_and_differ_by_at_most_one():
 
 def test_split_and_merge_roundtrip_with_scalar_broadcast():
     x, s = torch.randn(10, 3), torch.tensor(2.0)
-    parts = microbatch.split([x, s], ["x", "s"], [4, 3, 3])
+    parts = microbatch.split([x, s], [4, 3, 3])
     assert [p[0].shape[0] for p in parts] == [4, 3, 3]
     assert all(p[1] is s for p in parts)
     torch.testing.assert_close(microbatch.merge([p[0] for p in parts], [4, 3, 3]), x)
@@ -24,9 +24,11 @@ def test_scalar_outputs_merge_as_weighted_mean_and_grads_split_back():
     assert [g.item() for g in grads] == [0.75, 0.25]
 
 
-def test_batch_mismatch_names_the_argument():
-    with pytest.raises(microbatch.BatchMismatch, match="'mask' has 5 rows"):
-        microbatch.split([torch.randn(8, 2), torch.randn(5, 2)], ["x", "mask"], [4, 4])
+def test_a_tensor_without_the_batch_goes_whole_to_every_micro_batch():
+    x, mask = torch.randn(8, 2), torch.randn(5, 2)
+    parts = microbatch.split([x, mask], [4, 4])
+    assert [p[0].shape[0] for p in parts] == [4, 4] and all(p[1] is mask for p in parts)
+    assert microbatch.shape_key(x, 8) == (2,) and microbatch.shape_key(mask, 8) == ("whole", 5, 2)
 
 
 def test_chunks_must_be_positive():
