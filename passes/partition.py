@@ -375,24 +375,26 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
     readers: dict[fx.Node, fx.Node] = {}    # a statistic -> the first batch rows combined with it
     notes = []
     for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method"):
+        if n.op not in ("call_function", "call_method", "call_module"):
             continue
-        if _reorders_batch(n):
+        function = n.op != "call_module"  # fx's leaf modules (Linear): a module's name is not an op's
+        if function and _reorders_batch(n):
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
         size = next((a.name for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")),
                     "a literal" if n.meta.get("batch_literal") is True else None)  # trace's facts
-        if rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
+        if function and rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
             notes.append(f"{node_where(n)} computes batch rows with {size}, a number set by the batch size (x.shape[0]): each micro-batch uses "
                          f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")
-        source = next((statistic[a] for a in _value_inputs(n) if a in statistic), None)
+        inputs = _value_inputs(n) if function else n.all_input_nodes
+        source = next((statistic[a] for a in inputs if a in statistic), None)
         if rows_per_sample(n) and source is not None:
             readers.setdefault(source, n)
         elif not _floating(n):  # counts and offsets (a grouped expert dispatch's histc, cumsum) only order the work
             continue
         elif not rows_per_sample(n) and source is not None:
             statistic[n] = source
-        elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in _value_inputs(n)) and not _shape_only(n):
+        elif n.meta.get("batch_free") and any(rows_per_sample(a) for a in inputs) and not (function and _shape_only(n)):
             statistic[n] = n
     return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch computes it "
                     f"over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients are not the plain model's; "

@@ -8,13 +8,14 @@ import inspect
 import itertools
 import keyword
 import linecache
+import logging
 import operator
 import os
 import re
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -414,7 +415,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     shows its outputs at that size alone. Shape None: not a tensor. None where the model cannot run on fake tensors."""
     try:
         with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
             leaves = named_leaves(model(*fake_args, **fake_kwargs))
     except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
@@ -471,8 +472,20 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
             return
-    with scalar_buffers_kept(gm):
+    with scalar_buffers_kept(gm), fake_errors_unlogged():
         FakeTensorProp(gm, mode).propagate(*inputs)
+
+
+@contextlib.contextmanager
+def fake_errors_unlogged() -> Iterator[None]:
+    """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run meta") before the error
+    reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only alarm."""
+    logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), lambda record: record.levelno < logging.ERROR
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
@@ -507,8 +520,9 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
 
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
-        other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
-        _shaped(other, other.flatten_inputs(arguments))
+        with fake_errors_unlogged():
+            other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
+            _shaped(other, other.flatten_inputs(arguments))
     except Exception:  # the model's Python may fix the batch size it runs at
         return None
     pairs = list(zip(gm.graph.nodes, other.graph_module.graph.nodes))

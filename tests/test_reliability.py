@@ -1,4 +1,5 @@
 """Bad input gets a clear error before anything runs; a failing stage ends the step promptly."""
+import logging
 import _thread
 import gc
 import signal
@@ -68,9 +69,9 @@ def test_input_on_the_wrong_device_and_wrong_dtype():
         pipe(torch.randn(4, 8, dtype=torch.float64))
 
 
-def test_batch_sizes_that_disagree():
+def test_batch_sizes_that_disagree(caplog):
     """b of 3 rows beside a batch of 4 is not a batch tensor: it goes whole to every micro-batch, and the pipeline plans again for
-    it and fails as the plain model does, on the model's own op."""
+    it and fails as the plain model does, on the model's own op, with no error logged by FakeTensorMode on the way."""
     model = build("two_inputs")
     pipe = autopipe.compile(model, devices=2, chunks=2)
     pipe(torch.randn(4, 6), torch.randn(4, 4))
@@ -78,6 +79,7 @@ def test_batch_sizes_that_disagree():
         model(torch.randn(4, 6), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         pipe(torch.randn(4, 6), torch.randn(3, 4))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_non_tensor_where_a_batch_tensor_was():
