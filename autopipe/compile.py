@@ -164,13 +164,19 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
-    """Refused before anything runs: an output of a program exported at its micro-batch size whose other dims grow with the batch (CLIP's logits),
-    for a graph that trace could give no batch facts (docs/architecture.md, "Pitfalls measured")."""
-    whole = output_facts(model, args, kwargs)
+    """Refused before anything runs, for a model exported at its micro-batch size: an output computed from a value holding the batch in two dims, or
+    one whose other dims grow with the batch (CLIP's logits), seen in eager runs at the whole batch. The export one row larger finds these where the
+    two exports have the same nodes; where they do not (a branch on len(x) == 1), these runs may (docs/architecture.md, "Pitfalls measured")."""
+    whole = output_facts(model, args, kwargs, batch)
+    for path, _, pairing in whole or ():
+        if pairing:
+            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two dims: it pairs the samples (contrastive "
+                             f"logits u @ v.T, in-batch negatives); a micro-batch holds only its own samples, so no merge of the micro-batches' values is "
+                             f"the plain model's; compute it outside the model from per-sample outputs, or run with chunks=1")
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):
-            info, (path, shape) = plan.tensors.get(name), whole[position]
+            info, (path, shape, _) = plan.tensors.get(name), whole[position]
             if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
                 raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a micro-batch of "
                                  f"{traced.batch_size}: it mixes the rows of the batch, so no concatenation of the micro-batches' parts is the plain "

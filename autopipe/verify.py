@@ -17,7 +17,7 @@ from tabulate import tabulate
 from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
-from autopipe.passes.trace import named_leaves, register_dataclasses
+from autopipe.passes.trace import batch_rows, named_leaves, register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
 from autopipe.runtime.step import model_loss
 
@@ -314,7 +314,7 @@ def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
     own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.get_default_dtype())
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
-    batch = next((t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()), 0)
+    batch = batch_rows(model, args, kwargs) or 0
     sizes = micro_batch_sizes(batch, chunks)
     facts = _output_facts(model, args, kwargs, devices, chunks)
 

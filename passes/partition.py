@@ -2,6 +2,7 @@
 getitems kept with their producers, tied weights: docs/architecture.md, "Contracts between passes"."""
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
@@ -233,7 +234,7 @@ def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
             if name == "mul" and a not in from_batch:
                 a, b = b, a
             if b not in from_batch:
-                return "unknown" if n.meta.get("batch_literal") and not isinstance(b, fx.Node) else kind(a, n)  # trace's fact: the batch size
+                return "unknown" if (n.meta.get("batch_literal") or n.meta.get("literals_unknown")) and not isinstance(b, fx.Node) else kind(a, n)
             sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
             if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and rows_per_sample(b.args[0]) == 1 and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
@@ -288,7 +289,7 @@ def _samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.No
             name = op_name(n.target)
         if name in _RESHAPES:
             return first in together or rows_per_sample(first) == 1
-        if first not in together or rows_per_sample(first) != k or n.meta.get("batch_literal") is True or \
+        if first not in together or rows_per_sample(first) != k or n.meta.get("batch_literal") or \
                 any(a.meta.get("batch_number") for a in n.all_input_nodes):
             return False  # y * y.shape[0]: a number that differs between micro-batches
         if name in _ON_ROWS:  # a 2-D operand with these rows would be summed over them
@@ -350,18 +351,30 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 
 def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
     """Each value computed from one that mixes samples -> (that node, how): one holding the batch in two dims (trace's "pairs_samples"), or a
-    reshape into rows of samples of a value whose dim 0 is not the batch (row-major order puts parts of several samples in a row)."""
+    reshape into rows of samples (one row a sample) of rows that are not in sample order: of a value whose dim 0 is not the batch (row-major order
+    puts parts of several samples in a row), or of a flatten of one whose batch is in a later dim (``h.transpose(0, 1).reshape(-1, d)``: rows in
+    sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d) round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
+    interleaved: dict[fx.Node, fx.Node] = {}  # rows of several samples in turn -> the flatten that made them
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
+        reshape, v = op_name(n.target) in _RESHAPES, source.meta.get("val") if source is not None else None
         if mixed_input := next((a for a in n.all_input_nodes if a in mixed), None):  # named by the first that mixes
             mixed[n] = mixed[mixed_input]
         elif n.meta.get("pairs_samples"):
             mixed[n] = (n.name, "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)")
-        elif (op_name(n.target) in _RESHAPES and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
-              and isinstance(v := source.meta.get("val"), torch.Tensor) and v.dim() and v.shape[0] > 1):
+        elif (reshape and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
+              and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] > 1):
             mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
                                 f"parts of several samples (a view with the batch size written in, a flatten of a sequence-first tensor)")
+        elif reshape and rows_per_sample(n) == 1 and source in interleaved:
+            mixed[n] = (n.name, f"reshapes rows that {interleaved[source].name} made by flattening a tensor whose batch is not in dim 0 (a "
+                                f"sequence-first one: rows in sequence order) into rows of samples: each row holds parts of several samples")
+        elif rows_per_sample(n) > 1 and reshape and isinstance(v, torch.Tensor) and (d := source.meta.get("batch_dim", 0)) > 0 and \
+                math.prod(v.shape[:d]) > 1:
+            interleaved[n] = n
+        elif rows_per_sample(n) > 1 and (origin := next((interleaved[a] for a in n.all_input_nodes if a in interleaved), None)):
+            interleaved[n] = origin
     return mixed
 
 
@@ -382,7 +395,7 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
         size = next((a.name for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")),
-                    "a literal" if n.meta.get("batch_literal") is True else None)  # trace's facts
+                    "a literal" if n.meta.get("batch_literal") else None)  # trace's facts
         if function and rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
             notes.append(f"{node_where(n)} computes batch rows with {size}, a number set by the batch size (x.shape[0]): each micro-batch uses "
                          f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")

@@ -66,6 +66,7 @@ class TracedModel:
     notes: list[str] = field(default_factory=list)
     static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
     assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
+    batch_inputs: list[bool] = field(default_factory=list)  # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
 
     @classmethod
     def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
@@ -170,7 +171,8 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     traced = TracedModel.for_call(signature, arguments)
     if not traced.tensor_positions:
         raise TypeError(f"{type(model).__name__}.forward was called with no tensor argument; nothing to pipeline")
-    traced.batch_size = batch = _batch_size(traced.flatten_inputs(arguments), traced.input_names[0])
+    flat = traced.flatten_inputs(arguments)
+    traced.batch_size = batch = _batch_size(flat, traced.input_names[0])
     if static_batch is None:
         fx_route = ("torch.fx.symbolic_trace", lambda: _trace_fx(model, traced, leaf_modules))
         export = ("torch.export (non-strict, dynamic batch)", lambda: export_flat_graph(model, arguments, batch))
@@ -184,7 +186,8 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     errors: list[tuple[str, BaseException]] = []
     for name, attempt in attempts:
         try:
-            traced = attempt()
+            with fake_errors_unlogged():
+                traced = attempt()
             break
         except Exception as e:  # fx fails in many exception types
             errors.append((name, e))
@@ -193,6 +196,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
+    traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # a batch of one tells a (1, seq) table from no batch
     if traced.assigned:
         traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned values but does not store them, "
                             f"so the pipeline leaves them as they were (a cache the forward rebuilds is alike; state it carries across calls is not)")
@@ -410,17 +414,46 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
                 buffer.copy_(value)
 
 
-def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, tuple | None]] | None:
-    """(path, shape) of each of the model's output leaves, run eagerly on fake inputs: a model exported at its micro-batch size (static_batch)
-    shows its outputs at that size alone. Shape None: not a tensor. None where the model cannot run on fake tensors."""
-    try:
-        with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (tuple(args), dict(kwargs)))
-            leaves = named_leaves(model(*fake_args, **fake_kwargs))
-    except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
-        return None
-    return [(path, tuple(t.shape) if isinstance(t, torch.Tensor) else None) for path, t in leaves]
+def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
+    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a model exported at its
+    micro-batch size shows its outputs at that size alone. Shape None: not a tensor. The pairing op is the first op the leaf is computed from whose
+    result holds the batch in two dims (contrastive logits), seen by a second run one row larger with the same ops ("": none, or the runs differ,
+    as the two exports at the micro-batch size may where the whole batch's runs do not). None where the model cannot run on fake tensors."""
+    runs = []
+    for rows in (batch, batch + 1):
+        try:
+            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
+                    fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
+                with _OpRecorder() as ops:
+                    leaves = named_leaves(model(*fake_args, **fake_kwargs))
+            runs.append((leaves, ops.ops))
+        except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
+            if not runs:
+                return None
+    (leaves, ops), mixed = runs[0], {}
+    if len(runs) == 2 and [op[0] for op in ops] == [op[0] for op in runs[1][1]]:
+        for (func, inputs, outputs), (_, _, grown) in zip(ops, runs[1][1]):
+            source = next((mixed[id(t)] for t in inputs if id(t) in mixed), None)
+            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1 for a, b in zip(outputs, grown)):
+                source = str(func)
+            mixed.update((id(t), source) for t in outputs if source)
+    return [(path, tuple(t.shape) if isinstance(t, torch.Tensor) else None, mixed.get(id(t), "")) for path, t in leaves]
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Each aten op with its tensor inputs and outputs, kept alive so that their ids stay theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
+        self.ops.append((func, tensors((args, kwargs)), tensors(out)))
+        return out
 
 
 def named_leaves(output: Any) -> list[tuple[str, Any]]:
@@ -460,14 +493,16 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
     gm.recompile()
 
 
-def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int | None = None) -> None:
-    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``batch``: with the batch inputs one row larger."""
+def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], grow_batch: int | None = None) -> None:
+    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``grow_batch``: the batch, whose tensors get one
+    row more."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
-    if batch is not None:  # empty on meta, or fake under the mode: no memory either way
+    if grow_batch is not None:  # empty on meta, or fake under the mode: no memory either way
         with mode if not meta_params else contextlib.nullcontext():
-            inputs = [torch.empty((batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device) if carries_batch(t, batch) else t for t in inputs]
+            inputs = [torch.empty((grow_batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device) if carries_batch(t, grow_batch) else t
+                      for t in inputs]
     if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
@@ -489,6 +524,7 @@ def fake_errors_unlogged() -> Iterator[None]:
 
 
 def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
+    """Shapes on every node, and a getitem per tensor of an output tuple (which needs the shapes)."""
     _propagate_fake_shapes(traced.graph_module, flat_inputs)
     _unpack_sequence_outputs(traced)
 
@@ -506,7 +542,7 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
     """Each node's value when the graph runs on fake inputs one row larger."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     try:
-        _propagate_fake_shapes(gm, flat_inputs, batch=batch)
+        _propagate_fake_shapes(gm, flat_inputs, grow_batch=batch)
         return {n: n.meta.get("val") for n in gm.graph.nodes}
     finally:
         for n, val in at_batch.items():
@@ -515,7 +551,8 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
 
 def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, whole: dict[str, Any], batch: int, rows: int) -> dict[fx.Node, Any] | None:
     """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two graphs differ in more than
-    their literals: a graph of one static size cannot run at another, and a second export gives it the dynamic graph's batch facts."""
+    their literals: a graph of one static size cannot run at another, and a second export gives it the dynamic graph's batch facts. Marks
+    node.meta "batch_literal" where a literal differs."""
     from .export_route import export_flat_graph
 
     arguments = _batch_rows(whole, batch, rows + 1)
@@ -535,24 +572,28 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
     return {a: b.meta.get("val") for a, b in pairs}
 
 
-def _literals(n: fx.Node) -> list[Any]:
-    return [a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node)]
+def _literals(n: fx.Node) -> list[str]:
+    """The node's non-node arguments, by repr: a nan compares equal to itself."""
+    return [repr(a) for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node)]
 
 
 def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
-    """node.meta "rows_per_sample", "pairs_samples", "batch_free" and "batch_number" from each node's value at ``batch`` rows and its value
+    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free" and "batch_number" from each node's value at ``batch`` rows and its value
     one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it
     (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the batch size."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if grown is None and _literals(n):
-            n.meta["batch_literal"] = "maybe"
+            n.meta["literals_unknown"] = True  # any may be the batch size
         if isinstance(val, torch.Tensor):
             k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
             if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
                 k = 0  # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
             n.meta["rows_per_sample"] = k
-            if grown is not None and sum(a != b for a, b in zip(val.shape, grown[n].shape)) > 1:
+            grows = [i for i, (a, b) in enumerate(zip(val.shape, grown[n].shape)) if a != b] if grown is not None else []
+            if len(grows) == 1:
+                n.meta["batch_dim"] = grows[0]  # (seq, batch, d): 1
+            if len(grows) > 1:
                 n.meta["pairs_samples"] = True  # u @ v.T of two batches (contrastive logits): the batch in two dims
             if grown is not None and tuple(val.shape) == tuple(grown[n].shape):
                 n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
@@ -573,7 +614,17 @@ def _leaf_names(paths: Iterable[tuple]) -> list[str]:
     return names
 
 
-def carries_batch(t: torch.Tensor, batch: int) -> bool:
+def batch_rows(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
+    """The batch as trace takes it: dim 0 of the first tensor argument in the order of the forward's parameters (None: 0-dim, or none)."""
+    try:
+        arguments: Any = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    except TypeError:  # named where the call is traced or checked
+        arguments = (tuple(args), dict(kwargs))
+    first = next((t for t in pytree.tree_leaves(arguments) if isinstance(t, torch.Tensor)), None)
+    return first.shape[0] if first is not None and first.dim() else None
+
+
+def carries_batch(t: torch.Tensor, batch: int | None) -> bool:
     """Is ``t`` a batch tensor (dim 0 = the batch), which micro-batches cut, rather than one each gets whole?"""
     return t.dim() > 0 and t.shape[0] == batch
 

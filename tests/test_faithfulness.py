@@ -237,6 +237,8 @@ def test_tensor_arguments_without_the_batch_go_whole_to_every_micro_batch(route)
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12)
     longer = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)  # another shape of a whole tensor: planned again
     assert pipe(torch.randn(6, 7, 8, dtype=torch.float64), longer, torch.zeros(7, 8, dtype=torch.float64)).shape == (6, 7, 3)
+    with pytest.raises(autopipe.InputMismatch, match="argument 'mask' of shape \\(5, 5\\) went whole to every micro-batch"):
+        pipe(torch.randn(5, 5, 8, dtype=torch.float64), mask, positions)  # a batch of 5 beside a (5, 5) mask: cut or whole?
 
 
 # -- 6. autograd entry points ---------------------------------------------------------------------
@@ -609,6 +611,9 @@ class SamplesMixed(nn.Module):
             return h.transpose(0, 1).reshape(x.shape[0], -1)
         if self.how == "batch_written_in":
             return h.view(4, -1).softmax(-1).view(-1, 3, 8)
+        if self.how in ("sequence_first_round_trip", "specialised_round_trip"):  # rows in sequence order, read back as (batch, seq, d)
+            rows = self.a(h.transpose(0, 1).reshape(-1, 8))
+            return rows.reshape(len(x) if self.how == "specialised_round_trip" else x.shape[0], -1, 8)
         h = self.layer(h.transpose(0, 1)).transpose(0, 1)                    # (seq, batch, d) inside
         heads = h.view(x.shape[0], 3, 2, 4).permute(2, 0, 1, 3).reshape(-1, 3, 4)  # (heads * batch, seq, 4)
         h = (heads.softmax(-1) @ heads.transpose(1, 2) @ heads).view(2, x.shape[0], 3, 4).permute(1, 2, 0, 3).reshape(x.shape[0], 3, 8)
@@ -616,10 +621,15 @@ class SamplesMixed(nn.Module):
 
 
 @pytest.mark.parametrize("route", ["fx", "export"])
-@pytest.mark.parametrize("how", ["sequence_first", "batch_written_in"])
+@pytest.mark.parametrize("how", ["sequence_first", "batch_written_in", "sequence_first_round_trip", "specialised_round_trip"])
 def test_rows_of_samples_reshaped_from_another_layout_are_refused(how, route):
+    """The round trips went through silently (the flattened rows have k rows a sample, in sequence order), and, traced per micro-batch
+    size with its second export, so did the specialised one."""
+    if how == "specialised_round_trip" and route == "fx":
+        pytest.skip("len(x): export only")
     x = torch.randn(4, 3, 8, dtype=torch.double)
-    with pytest.raises(ValueError, match="whose dim 0 is not the batch, into rows of samples"):
+    where = "made by flattening a tensor whose batch is not in dim 0" if "round_trip" in how else "whose dim 0 is not the batch"
+    with pytest.raises(ValueError, match=where + r".* into rows of samples"):
         autopipe.compile(SamplesMixed(how).double(), devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(x,))
 
 
@@ -646,15 +656,20 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, a, b):
         logits = F.normalize(self.fa(a), dim=-1) @ F.normalize(self.fb(b), dim=-1).t()
-        return F.cross_entropy(logits, torch.arange(len(a) if self.specialise else a.shape[0]))  # len(): exported per micro-batch size
+        labels = torch.arange(len(a) if self.specialise else a.shape[0])  # len(): exported per micro-batch size
+        if self.specialise and len(a) == 1:  # the export at one row and the one at two differ: no batch facts from them
+            labels = labels.view(1)
+        return F.cross_entropy(logits, labels)
 
 
-@pytest.mark.parametrize("route, specialise", [("fx", False), ("export", False), ("auto", True)])
-def test_a_loss_over_pairs_of_samples_is_refused_not_averaged_over_micro_batches(route, specialise):
+@pytest.mark.parametrize("route, specialise, chunks", [("fx", False, 2), ("export", False, 2), ("auto", True, 2), ("auto", True, 4)])
+def test_a_loss_over_pairs_of_samples_is_refused_not_averaged_over_micro_batches(route, specialise, chunks):
+    """At chunks=4 the micro-batches have one row, where the model takes another branch: the eager runs at the whole batch find the pairing."""
     a, b = torch.randn(4, 8, dtype=torch.double), torch.randn(4, 8, dtype=torch.double)
     model = ContrastiveLoss(specialise).double()
-    with pytest.raises(ValueError, match=r"output cross_entropy\w* .* is computed from node matmul.* holds the batch in two dims"):
-        autopipe.compile(model, devices=["cpu"] * 2, chunks=2, route=route, example_inputs=(a, b))
+    where = r"aten.mm.default, whose result" if chunks == 4 else r"output cross_entropy\w* .* is computed from node matmul.*"
+    with pytest.raises(ValueError, match=where + " holds the batch in two dims"):
+        autopipe.compile(model, devices=["cpu"] * 2, chunks=chunks, route=route, example_inputs=(a, b))
     torch.testing.assert_close(autopipe.compile(model, devices=["cpu"] * 2, chunks=1, route=route)(a, b), model(a, b), rtol=1e-12, atol=1e-12)
 
 

@@ -70,15 +70,18 @@ def test_input_on_the_wrong_device_and_wrong_dtype():
 
 
 def test_batch_sizes_that_disagree(caplog):
-    """b of 3 rows beside a batch of 4 is not a batch tensor: it goes whole to every micro-batch, and the pipeline plans again for
-    it and fails as the plain model does, on the model's own op, with no error logged by FakeTensorMode on the way."""
+    """b of 3 rows beside a batch of 4 is not a batch tensor, but it was one when the pipeline was compiled: named before anything runs. A new
+    pipeline plans it as a tensor given whole to every micro-batch and fails as the plain model does, on the model's own op, with no error
+    logged by FakeTensorMode on the way."""
     model = build("two_inputs")
     pipe = autopipe.compile(model, devices=2, chunks=2)
     pipe(torch.randn(4, 6), torch.randn(4, 4))
+    with pytest.raises(autopipe.InputMismatch, match=r"argument 'b' of shape \(3, 4\) was cut into micro-batches when the pipeline was compiled"):
+        pipe(torch.randn(4, 6), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         model(torch.randn(4, 6), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
-        pipe(torch.randn(4, 6), torch.randn(3, 4))
+        autopipe.compile(model, devices=2, chunks=2)(torch.randn(4, 6), torch.randn(3, 4))
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

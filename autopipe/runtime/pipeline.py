@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from autopipe.passes.trace import InputMismatch, batch_rows, carries_batch
+
 from . import microbatch
 from .memory import MemoryReport
 from .schedule import Schedule, Task
@@ -131,10 +133,9 @@ class Pipeline(torch.nn.Module):
         self._current = compiled
         return compiled
 
-    @staticmethod
-    def _check_same_kinds(compiled: Compiled, args, kwargs) -> None:
-        """A new shape or a different set of keyword arguments re-plans; a tensor argument
-        that became something else is a mistake, named here before anything runs."""
+    def _check_same_kinds(self, compiled: Compiled, args, kwargs) -> None:
+        """A new shape or a different set of keyword arguments re-plans; a tensor argument that became something else, or a tensor given
+        whole to every micro-batch whose dim 0 now equals the batch (or the other way round), is a mistake, named here before anything runs."""
         signature = compiled.traced.signature
         try:
             now = signature.bind(*args, **kwargs).arguments
@@ -144,12 +145,25 @@ class Pipeline(torch.nn.Module):
         for name, value in now.items():
             was = before.get(name)
             if isinstance(was, torch.Tensor) and value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(f"argument {name!r} must be a tensor with the batch in dim 0 (it was one when the "
-                                f"pipeline was compiled), got {type(value).__name__}")
+                raise TypeError(f"argument {name!r} must be a tensor (it was one when the pipeline was compiled), got {type(value).__name__}")
+        try:
+            flat = compiled.traced.flatten_inputs(now)
+        except InputMismatch:
+            return  # other arguments: planned anew
+        batch = flat[0].shape[0] if flat[0].dim() else None
+        if batch is None or min(batch, self.chunks) < 2:  # one micro-batch: cut or whole, it gets all of it
+            return
+        for name, t, was in zip(compiled.traced.input_names, flat, compiled.traced.batch_inputs):
+            if carries_batch(t, batch) != was:
+                raise InputMismatch(
+                    f"argument {name!r} of shape {tuple(t.shape)} {'was cut into micro-batches' if was else 'went whole to every micro-batch'} when "
+                    f"the pipeline was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): autopipe cannot "
+                    f"tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the batch would be cut, and computed wrongly); use "
+                    f"batches of another size than its dim 0, or a new pipeline for these")
 
     def _key(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        batch = next((t.shape[0] if t.dim() else None for t in leaves if isinstance(t, torch.Tensor)), None)
+        batch = batch_rows(self.model, args, kwargs)
         shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
         return (self.model.training, spec, shapes)
 
