@@ -24,6 +24,7 @@ from zoo import build, random_inputs
     ("kwargs", "eval"),         # keyword arguments, a bool, a dict output holding the model's own loss
     ("dataclass", "eval"),
     ("two_inputs", "eval"),
+    ("masked", "train"),        # a (seq, seq) mask given whole to every micro-batch
     ("unet", "eval"),           # long skips
 ])
 def test_the_test_models_pass(name, mode):

@@ -374,12 +374,25 @@ class TwoInputs(nn.Module):
 
 # -- the small models by name ------------------------------------------------------------------------------------
 
+class MaskedStack(nn.Module):
+    """Transformer layers given one (seq, seq) causal mask as an argument: a tensor without the batch, which every stage reads."""
+
+    def __init__(self, d: int = 16, layers: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(d, 2, dim_feedforward=2 * d, dropout=0.0, batch_first=True) for _ in range(layers)])
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, src_mask=mask)
+        return x
+
+
 def build(name: str) -> nn.Module:
     """The named small model with its default sizes, after ``torch.manual_seed(0)``."""
     torch.manual_seed(0)
     return {
         "mlp": MLP, "resnet": ResNet, "unet": UNet, "gpt": GPT, "kwargs": KwargsModel,
-        "dataclass": DataclassModel, "two_inputs": TwoInputs,
+        "dataclass": DataclassModel, "two_inputs": TwoInputs, "masked": MaskedStack,
     }[name]()
 
 
@@ -404,6 +417,8 @@ def random_inputs(name: str, batch: int = 8, generator: torch.Generator | None =
         return (torch.randn(batch, 5, 8, generator=g),), {"labels": torch.randint(0, 3, (batch,), generator=g)}
     if name == "two_inputs":
         return (torch.randn(batch, 6, generator=g), torch.randn(batch, 4, generator=g)), {}
+    if name == "masked":  # seq 5: not a batch size the tests use, so the mask is never taken for batch rows
+        return (torch.randn(batch, 5, 16, generator=g), nn.Transformer.generate_square_subsequent_mask(5)), {}
     raise KeyError(name)
 
 

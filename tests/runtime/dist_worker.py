@@ -2,7 +2,7 @@
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's results to OUT_DIR.
 
 Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
-``meta`` (a model built on meta), ``skip`` (a skip connection and an early model output between
+``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``skip`` (a skip connection and an early model output between
 ranks), ``trap`` (a failure injected on one rank; see :class:`Trap`).
 """
 import json
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root: zoo/
 import autopipe  # noqa: E402
-from zoo import GPT  # noqa: E402
+from zoo import GPT, build, random_inputs  # noqa: E402
 
 OUT_DIR = "."
 
@@ -218,6 +218,13 @@ def main():
         edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
         torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges, "posts": posts},
                    os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "masked":  # a (seq, seq) mask: a tensor argument without the batch, which every rank reads whole
+        (x, mask), _ = random_inputs("masked", 8, torch.Generator().manual_seed(1))
+        target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        pipe = autopipe.compile(build("masked").double(), chunks=4, timeout=30)
+        loss = pipe.step(x.double(), mask.double(), target=target, loss_fn=F.mse_loss)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":
         pipe = trap(rank, world)
     elif scenario == "meta":

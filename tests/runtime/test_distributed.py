@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
-from zoo import GPT
+from zoo import GPT, build, random_inputs
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
@@ -120,6 +120,23 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, check
     assert seen >= {n for n, _ in model.named_parameters()}  # every parameter got its gradient somewhere
     # the tied embedding / LM head: summed across the first and the last rank, so both copies agree
     torch.testing.assert_close(results[0]["grads"]["wte.weight"], results[-1]["grads"]["lm_head.weight"])
+
+
+def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):
+    """A (seq, seq) mask every layer reads: each rank takes it whole from its own arguments; float64, against the plain model."""
+    run = launch("masked", 2, tmp_path)
+    assert run.codes == [0, 0], run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = build("masked").double()
+    (x, mask), _ = random_inputs("masked", 8, torch.Generator().manual_seed(1))
+    target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    loss = F.mse_loss(model(x.double(), mask.double()), target)
+    loss.backward()
+    assert results[1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_pipeline_times_data_parallel(tmp_path):
