@@ -196,7 +196,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
-    traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # a batch of one tells a (1, seq) table from no batch
+    traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # at a batch of one, (1, seq) looks cut
     if traced.assigned:
         traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned values but does not store them, "
                             f"so the pipeline leaves them as they were (a cache the forward rebuilds is alike; state it carries across calls is not)")
@@ -532,7 +532,7 @@ def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
 def _batch_rows(arguments: dict[str, Any], batch: int, rows: int) -> dict[str, Any]:
     """The arguments with ``rows`` rows of each batch tensor: its first rows, the last one repeated where it has fewer."""
     def take(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 0 or x.shape[0] != batch:
+        if not carries_batch(x, batch):
             return x
         return x[:rows] if rows <= batch else torch.cat([x, x[-1:].expand(rows - batch, *x.shape[1:])])
     return pytree.tree_map_only(torch.Tensor, take, arguments)
