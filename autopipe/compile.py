@@ -127,6 +127,10 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                           f"shows them). Harmless for a cache the forward rebuilds (ConViT's rel_indices); state carried from call to call (a counter, "
                           f"a running value) is not the plain model's: a buffer updated in place (self.steps.add_(1)) is, once per micro-batch as "
                           f"BatchNorm's statistics", stacklevel=4)
+        if traced.ambiguous_inputs:
+            warnings.warn(f"autopipe: {type(model).__name__} is traced per micro-batch size, and {listed(traced.ambiguous_inputs)} has the batch "
+                          f"size in dim 0 and in another dim: it is cut into micro-batches as rows of samples. If it is not per sample (a (seq, seq) "
+                          f"mask whose seq equals the batch), the pipeline's values are wrong: use a batch of another size", stacklevel=4)
         notes = list(traced.notes)
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")

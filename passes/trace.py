@@ -67,6 +67,7 @@ class TracedModel:
     static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
     assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
     batch_inputs: list[bool] = field(default_factory=list)  # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
+    ambiguous_inputs: list[str] = field(default_factory=list)  # cut, with the batch size in another dim too, in a graph of one static size
 
     @classmethod
     def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
@@ -202,6 +203,9 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                             f"so the pipeline leaves them as they were (a cache the forward rebuilds is alike; state it carries across calls is not)")
     if static_batch is not None:
         traced.route, traced.static_batch = "export-static", static_batch
+        # a dynamic export would have failed on a (seq, seq) mask cut as batch rows; a static one may run (one-row micro-batches broadcast)
+        traced.ambiguous_inputs = [f"{name} {tuple(t.shape)}" for name, t in zip(traced.input_names[1:], flat[1:])
+                                   if carries_batch(t, batch) and batch in t.shape[1:]]
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
                             f"dimension): the model treats the batch size as a constant")
     inputs = traced.flatten_inputs(arguments)

@@ -241,6 +241,33 @@ def test_tensor_arguments_without_the_batch_go_whole_to_every_micro_batch(route)
         pipe(torch.randn(5, 5, 8, dtype=torch.float64), mask, positions)  # a batch of 5 beside a (5, 5) mask: cut or whole?
 
 
+class MaskedScores(nn.Module):
+    """Attention scores plus a (seq, seq) additive mask given as an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        return self.o((h @ h.transpose(1, 2) + mask).softmax(-1) @ h)
+
+
+def test_a_mask_whose_seq_equals_the_batch_is_warned_about_where_no_export_can_tell():
+    """Beside a batch of 4, a (4, 4) mask is cut as rows of samples: the dynamic export fails on it, and the graph traced at one-row
+    micro-batches broadcasts each row silently (error 0.43). compile warns; with a batch of another size the mask goes whole, exactly."""
+    torch.manual_seed(0)
+    model, mask = MaskedScores().double(), torch.triu(torch.full((4, 4), -1e9, dtype=torch.float64), 1)
+    with pytest.warns(UserWarning, match=r"mask \(4, 4\) has the batch size in dim 0 and in another dim"):
+        autopipe.compile(model, devices=2, chunks=4, example_inputs=(torch.randn(4, 4, 8, dtype=torch.float64), mask))
+    x = torch.randn(6, 4, 8, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = autopipe.compile(model, devices=2, chunks=3, example_inputs=(x, mask))
+    assert not [w for w in caught if "has the batch size" in str(w.message)]
+    torch.testing.assert_close(pipe(x, mask), model(x, mask), rtol=0, atol=1e-12)
+
+
 # -- 6. autograd entry points ---------------------------------------------------------------------
 
 def test_autograd_grad_and_backward_inputs_work_as_on_the_plain_model():
