@@ -150,7 +150,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         if route == "fx":
             raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
-    with preserved_global_state() as guard, buffers_kept(model):
+    with preserved_global_state() as guard, buffers_kept(model), _fake_errors_unlogged():
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
@@ -187,8 +187,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     errors: list[tuple[str, BaseException]] = []
     for name, attempt in attempts:
         try:
-            with fake_errors_unlogged():
-                traced = attempt()
+            traced = attempt()
             break
         except Exception as e:  # fx fails in many exception types
             errors.append((name, e))
@@ -427,7 +426,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     for rows in (batch, batch + 1):
         try:
             with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                    fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    _fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
                 with _OpRecorder() as ops:
@@ -511,12 +510,12 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
             return
-    with scalar_buffers_kept(gm), fake_errors_unlogged():
+    with scalar_buffers_kept(gm):
         FakeTensorProp(gm, mode).propagate(*inputs)
 
 
 @contextlib.contextmanager
-def fake_errors_unlogged() -> Iterator[None]:
+def _fake_errors_unlogged() -> Iterator[None]:
     """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run meta") before the error
     reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only alarm."""
     logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), lambda record: record.levelno < logging.ERROR
@@ -561,9 +560,8 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
 
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
-        with fake_errors_unlogged():
-            other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
-            _shaped(other, other.flatten_inputs(arguments))
+        other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
+        _shaped(other, other.flatten_inputs(arguments))
     except Exception:  # the model's Python may fix the batch size it runs at
         return None
     pairs = list(zip(gm.graph.nodes, other.graph_module.graph.nodes))
