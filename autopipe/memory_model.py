@@ -18,6 +18,7 @@ from tabulate import tabulate
 from autopipe import random_ops
 from autopipe.passes.cost import CostedGraph
 from autopipe.passes.partition import NoFeasiblePlan
+from autopipe.passes.trace import fake_errors_unlogged
 from autopipe.plan import Plan
 from autopipe.plan import human_bytes as _human
 from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
@@ -80,7 +81,7 @@ def saved_tensors(costed: CostedGraph) -> SavedTensors:
     env: dict[fx.Node, Any] = {}
     saves: dict[str, frozenset[int]] = {}
     values: dict[str, frozenset[int]] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode(False), torch.enable_grad():
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode(False), torch.enable_grad(), fake_errors_unlogged():
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = fake(node.meta.get("val"))

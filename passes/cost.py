@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from .trace import TracedModel, scalar_buffers_kept
+from .trace import TracedModel, fake_errors_unlogged, scalar_buffers_kept
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
     runner = fx.Interpreter(gm)
     fake = lambda n: tree_map_only(torch.Tensor, mode.from_tensor, n.meta.get("val"))  # from_tensor memoises
     counts = {}
-    with mode, scalar_buffers_kept(gm):
+    with mode, scalar_buffers_kept(gm), fake_errors_unlogged():
         for node in nodes:
             counter = FlopCounterMode(display=False)
             # a failing op counts one FLOP per output element; grad mode is put back, as export's

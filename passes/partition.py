@@ -35,7 +35,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
                 and source in group_of and not isinstance(source.meta.get("val"), torch.Tensor))
         group_of[n] = group_of[source] if part else n
         groups.setdefault(group_of[n], []).append(n)
-    order = list(groups)
+    order = _varying_sizes_kept_whole(list(groups), groups)
     if n_stages > len(order):
         raise ValueError(f"{n_stages} stages asked for, but the traced graph has only {len(order)} operations to "
                          f"spread over them; use at most {max(len(order), 1)} devices")
@@ -43,7 +43,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     consumers, out_bytes = [], []
     for i, n in enumerate(order):
         # only tensors count: sizes and other Python values travel for free in-process
-        crossing = [m for m in groups[n] if _is_tensor_valued(m) and (m is not n or len(groups[n]) == 1)]
+        crossing = [m for m in groups[n] if _is_tensor_valued(m) and (isinstance(m.meta.get("val"), torch.Tensor) or len(groups[n]) == 1)]
         users = {index[u] for m in crossing for u in m.users if u in index}
         if any(m in outputs for m in crossing):
             users.add(len(order) - 1)  # model outputs travel to the last stage
@@ -74,6 +74,22 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
                       f"Face's num_items_in_batch) merges exactly"
                       for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
     return plan
+
+
+def _varying_sizes_kept_whole(order: list[fx.Node], groups: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
+    """The groups from a value whose size depends on values (trace's "data_dependent": x[mask]) to its last reader become one: no cut carries
+    it, as no receiver could size it ahead (its size differs between micro-batches and steps). ``groups`` is updated."""
+    index = {m: i for i, n in enumerate(order) for m in groups[n]}
+    kept: list[fx.Node] = []
+    end = -1
+    for i, n in enumerate(order):
+        members = groups[n]
+        if i > end:
+            kept.append(n)
+        else:
+            groups[kept[-1]] += groups.pop(n)
+        end = max([end, *(index.get(u, i) for m in members if m.meta.get("data_dependent") for u in m.users)])
+    return kept
 
 
 def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
@@ -355,14 +371,18 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
     puts parts of several samples in a row), or of a flatten of one whose batch is in a later dim (``h.transpose(0, 1).reshape(-1, d)``: rows in
     sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d) round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
+    written: dict[fx.Node, tuple[str, str]] = {}  # a storage (view root) written in place with a value that mixes samples -> how
+    views = _views(gm)
     interleaved: dict[fx.Node, fx.Node] = {}  # rows of several samples in turn -> the flatten that made them
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
         reshape, v = op_name(n.target) in _RESHAPES, source.meta.get("val") if source is not None else None
-        if mixed_input := next((a for a in n.all_input_nodes if a in mixed), None):  # named by the first that mixes
-            mixed[n] = mixed[mixed_input]
+        if mixed_input := next((a for a in n.all_input_nodes if a in mixed or views[a] in written), None):  # named by the first that mixes
+            mixed[n] = mixed.get(mixed_input) or written[views[mixed_input]]
         elif n.meta.get("pairs_samples"):
             mixed[n] = (n.name, "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)")
+        elif n in from_batch and (how := _selected_rows_misread(n, from_batch)):
+            mixed[n] = (n.name, how)
         elif (reshape and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
               and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] > 1):
             mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
@@ -375,7 +395,58 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
             interleaved[n] = n
         elif rows_per_sample(n) > 1 and (origin := next((interleaved[a] for a in n.all_input_nodes if a in interleaved), None)):
             interleaved[n] = origin
+        if n in mixed and _is_inplace(n) and isinstance(n.args[0], fx.Node):
+            written[views[n.args[0]]] = mixed[n]  # buf[0, :k] = rows: what reads buf after reads them
     return mixed
+
+
+# ops that select whole rows, in order, by value (x[mask], x[idx], nonzero); ops that put rows back where they were taken (out[mask] = v, index_add)
+_SELECTS_BY_MASK = frozenset({"masked_select", "nonzero", "nonzero_numpy", "argwhere", "where"})
+_SELECTS = frozenset({"index", "getitem", "index_select"})
+_PUTS_BACK = frozenset({"index_put", "index_put_", "setitem", "index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter", "masked_scatter_",
+                        "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"})
+
+
+def _selected_rows_misread(n: fx.Node, from_batch: set[fx.Node]) -> str:
+    """Why a value of batch rows selected by value (trace's "selected_rows": x[mask], a number of rows each micro-batch has its own of) is not
+    computed row by row as the plain model computes it, or "". Proven: selecting rows (a micro-batch selects its own, in order), row-wise ops that
+    keep their number, and putting them back into batch rows along dim 0; anything else (a sum, sort or slice over the selected rows, a capacity
+    buffer they are written to) may mix the samples."""
+    selected = [a for a in n.all_input_nodes if a in from_batch and a.meta.get("data_dependent") and not isinstance(a.meta.get("val"), (int, float))]
+    if not selected and not n.meta.get("data_dependent"):
+        return ""
+    name = op_name(n.target) if n.op in ("call_function", "call_method") else ""
+    where = f"rows selected by value ({selected[0].name}: a number of rows each micro-batch has its own of)" if selected else ""
+    if not n.meta.get("data_dependent"):
+        destination, dim = n.args[0] if n.args else None, (bind(n.target, n.args, n.kwargs) or {}).get("dim", 0)
+        if name in _SHAPE_ONLY or name in _PUTS_BACK and destination not in selected and rows_per_sample(destination) and dim in (0, None):
+            return ""
+        return f"reads {where} other than row by row or put back into batch rows (x[mask] = v, index_add along dim 0): a micro-batch has only its own"
+    if isinstance(n.meta.get("val"), (int, float, bool)):
+        return ""  # a count (mask.sum().item()): trace's "batch_number"
+    rows = n.meta.get("selected_rows")
+    indices = n.all_input_nodes[1:]
+    by_index = indices and all(a in from_batch for a in indices) or n.target is operator.getitem and isinstance(n.args[0].meta.get("val"), (tuple, list))
+    if rows is not None and (name in _SELECTS_BY_MASK and all(a in from_batch for a in n.all_input_nodes) or name in _SELECTS and by_index):
+        return ""  # batch rows or selected rows, by a mask or indices of this micro-batch; one tensor of a tuple
+    first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if rows is None or not selected or first not in selected or any((a.meta.get("selected_rows") or ())[1:] != rows[1:] for a in selected):
+        return f"has a size set by values ({name or n.target}) that autopipe cannot follow{' from ' + where if where else ''}"
+    module = _module_of(n)
+    if name in _ALONG_DIMS or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        bound, ndim, along = bind(n.target, n.args, n.kwargs) or {}, first.meta["val"].dim(), first.meta["selected_rows"][0]
+        shape, dims = bound.get("normalized_shape", getattr(module, "normalized_shape", None)), bound.get("dim")
+        keeps = (name in ("dropout", "native_dropout") or shape is not None and len(shape) < ndim - along or
+                 dims is not None and all(isinstance(d, int) and d % ndim != along for d in (dims if isinstance(dims, (list, tuple)) else [dims])))
+    else:
+        keeps = (name in _RESHAPES or name in _SHAPE_ONLY or isinstance(module, _ROW_MODULES)
+                 or name in _ON_ROWS and all(a is first for a in selected)
+                 or any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name)))
+    return "" if keeps else f"computes from {where} other than row by row: a micro-batch has only its own"
+
+
+def _module_of(n: fx.Node) -> torch.nn.Module | None:
+    return n.graph.owning_module.get_submodule(n.target) if n.op == "call_module" else None
 
 
 def _across_micro_batches(gm: fx.GraphModule) -> list[str]:

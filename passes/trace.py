@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -150,7 +151,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         if route == "fx":
             raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
-    with preserved_global_state() as guard, buffers_kept(model), _fake_errors_unlogged():
+    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged():
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
@@ -210,7 +211,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     inputs = traced.flatten_inputs(arguments)
     try:
         _shaped(traced, inputs)
-    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+    except (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode) as e:
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
         raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {_first_line(e)}) has a shape that depends "
                          f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
@@ -218,6 +219,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                          f"run it outside the model") from e
     if static_batch is not None:
         _count_rows_per_sample(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
+        _bound_data_dependent_sizes(traced)
         return traced
     try:
         _count_rows_per_sample(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
@@ -227,6 +229,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{_source_of(node)}", e))
         message = _explain_failures(model, errors, traced.batch_size)
         raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
+    _bound_data_dependent_sizes(traced)
     return traced
 
 
@@ -426,7 +429,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     for rows in (batch, batch + 1):
         try:
             with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                    _fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
                 with _OpRecorder() as ops:
@@ -500,7 +503,8 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
     """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``grow_batch``: the batch, whose tensors get one
     row more."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # a shape env gives a size that depends on values (x[mask], nonzero) a symbol, u0, where a plain fake mode raises
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
     if grow_batch is not None:  # empty on meta, or fake under the mode: no memory either way
         with mode if not meta_params else contextlib.nullcontext():
@@ -510,12 +514,14 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
             return
+    for n in gm.graph.nodes:
+        n.meta.pop("unbacked_bindings", None)  # export's symbols (u0): this mode names its own
     with scalar_buffers_kept(gm):
         FakeTensorProp(gm, mode).propagate(*inputs)
 
 
 @contextlib.contextmanager
-def _fake_errors_unlogged() -> Iterator[None]:
+def fake_errors_unlogged() -> Iterator[None]:
     """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run meta") before the error
     reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only alarm."""
     logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), lambda record: record.levelno < logging.ERROR
@@ -580,14 +586,20 @@ def _literals(n: fx.Node) -> list[str]:
 
 
 def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
-    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free" and "batch_number" from each node's value at ``batch`` rows and its value
-    one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it
-    (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the batch size."""
+    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free", "batch_number", "data_dependent" and "selected_rows" from each
+    node's value at ``batch`` rows and its value one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int
+    comparison: "Pitfalls measured"). Without it (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and
+    any literal may be the batch size."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if grown is None and _literals(n):
             n.meta["literals_unknown"] = True  # any may be the batch size
-        if isinstance(val, torch.Tensor):
+        if _sized_by_values(val) or grown is not None and _sized_by_values(grown[n]):
+            n.meta["data_dependent"] = True  # x[mask]: rows of no fixed number a sample; mask.sum().item(): a count over the micro-batch
+            n.meta["batch_number"] = not isinstance(val, torch.Tensor)
+            if rows := _selected_rows(val):
+                n.meta["selected_rows"] = rows
+        elif isinstance(val, torch.Tensor):
             k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
             if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
                 k = 0  # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
@@ -601,6 +613,46 @@ def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, 
                 n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
         elif isinstance(val, int) and grown is not None and grown[n] != val:
             n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
+
+
+def _sized_by_values(val: Any) -> bool:
+    """Does the value hold a size or number that depends on values (an unbacked symbol of the shape env: u0)?"""
+    return any(free_unbacked_symbols(x) for x in pytree.tree_leaves(val) if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)))
+
+
+def _selected_rows(val: Any) -> tuple[int, str] | None:
+    """(the dim of rows, its size) of a tensor whose one dim of a size set by values follows dims of 1: x[mask] (u0, d), x[None, idx]
+    (1, u0, d); of the tensors of a tuple (torch.where(mask)) if they agree."""
+    found = set()
+    for t in pytree.tree_leaves(val):
+        dims = [i for i, d in enumerate(t.shape) if free_unbacked_symbols(d)] if isinstance(t, torch.Tensor) else [-1]
+        if len(dims) != 1 or dims[0] < 0 or any(d != 1 for d in t.shape[:dims[0]]):
+            return None
+        found.add((dims[0], str(t.shape[dims[0]])))
+    return found.pop() if len(found) == 1 else None
+
+
+def _bound_data_dependent_sizes(traced: TracedModel) -> None:
+    """A value whose size depends on the values of its inputs (x[mask], nonzero: u0 rows, known to lie in [0, rows]) gets its largest size, for
+    the passes that cost and cut it; node.meta "data_dependent" says it has no fixed size, and partition keeps it inside one stage."""
+    found = [n for n in traced.graph_module.graph.nodes if n.meta.get("data_dependent")]
+    for n in found:
+        n.meta["val"] = pytree.tree_map(_at_largest, n.meta["val"])
+    if found:
+        traced.notes.append(f"sizes that depend on values (boolean-mask rows, nonzero) at {listed([n.name for n in found])}: costed at their largest, and "
+                            f"kept inside one stage; balance='time' measures them")
+
+
+def _at_largest(x: Any) -> Any:
+    """A number, or a fake tensor's sizes, with each symbol of the shape env at its upper bound (1 where it has none: ``.item()``)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        bounds = {u: x.node.shape_env.var_to_range[u].upper for u in free_unbacked_symbols(x)}
+        value = x.node.expr.xreplace({u: b if b.is_finite else 1 for u, b in bounds.items()})
+        return int(value) if isinstance(x, torch.SymInt) else float(value) if isinstance(x, torch.SymFloat) else bool(value)
+    if isinstance(x, torch.Tensor) and free_unbacked_symbols(x):
+        with x.fake_mode:
+            return torch.empty(tuple(_at_largest(d) for d in x.shape), dtype=x.dtype, device=x.device)
+    return x
 
 
 def _leaf_names(paths: Iterable[tuple]) -> list[str]:

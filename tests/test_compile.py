@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import autopipe
 from zoo import GPT, build, random_inputs, scalar_loss, tensor_leaves
 
-MODELS = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs", "masked"]
+MODELS = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs", "masked", "moe"]
 
 
 def reference(model, args, kwargs):

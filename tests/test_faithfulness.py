@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-from zoo import GPT, MLP, ZOO
+from zoo import GPT, MLP, ZOO, ExpertStack
 
 
 def flat_loss(out):
@@ -902,3 +902,66 @@ def test_an_output_tuple_made_by_one_op_merges_tensor_by_tensor(route):
     sum(t.pow(2).sum() for t in expected["parts"] + expected["halves"]).backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-12)
+
+
+# -- sizes set by values: rows routed to experts ----------------------------------------------------
+
+@pytest.mark.parametrize("how, route, devices, chunks, checkpoint", [
+    ("mask", "auto", 2, 3, "except_last"), ("nonzero", "fx", 4, 6, "always"), ("nonzero", "export", 2, 3, "never"),
+    ("transformers", "fx", 2, 3, "except_last"), ("transformers", "export", 4, 6, "always")])
+def test_experts_that_take_the_rows_routed_to_them_pipeline_like_the_plain_model(how, route, devices, chunks, checkpoint):
+    """A size set by values (x[mask], nonzero) was refused at trace: FakeTensorMode cannot size it. A shape env sizes it now (u0, at most
+    every row), and the rows are followed from their selection, row by row, back into batch rows; no cut carries them."""
+    torch.manual_seed(0)
+    model, x = ExpertStack(hows=(how,) * 4).double(), torch.randn(6, 5, 8, dtype=torch.float64, requires_grad=True)
+    plain = plain_step(copy.deepcopy(model), (x,), {})
+    x_grad, x.grad = x.grad, None
+    pipe = autopipe.compile(model, devices=devices, chunks=chunks, checkpoint=checkpoint, route=route)
+    model.zero_grad()
+    flat_loss(pipe(x)).backward()
+    assert max_relative(grads_of(model), plain) <= 1e-12
+    torch.testing.assert_close(x.grad, x_grad, rtol=0, atol=1e-12)
+    assert any("sizes that depend on values" in n for n in pipe.plan.notes), pipe.plan.notes
+    nodes = {n.name: n for n in pipe.compiled.traced.graph_module.graph.nodes}
+    crossing = [name for name, info in pipe.plan.tensors.items() if info.consumers]
+    assert len(crossing) >= devices - 1 and not [name for name in crossing if nodes[name].meta.get("data_dependent")]
+    pipe.close()
+
+
+class SelectedRowsMisused(nn.Module):
+    """Rows routed by value, then computed with across the samples: each micro-batch would select, sort, cut or average only its own."""
+
+    def __init__(self, how: str, d=16):
+        super().__init__()
+        self.how, self.gate, self.expert = how, nn.Linear(d, 4), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = x.reshape(-1, d)
+        mask = self.gate(h).argmax(-1) == 0
+        rows, out = self.expert(h[mask]), torch.zeros_like(h)
+        if self.how == "mean":  # a statistic of the selected rows, added to every row
+            out = h + rows.mean(0)
+        elif self.how == "sort":
+            out[mask] = rows.sort(0).values
+        elif self.how == "capacity":  # the first 3 rows routed: of the whole batch in the plain model
+            out[mask.nonzero()[:3, 0]] = rows[:3]
+        elif self.how == "buffer":  # rows written into a buffer, which is read after
+            buffer = torch.zeros(12, d, dtype=x.dtype)
+            buffer[:rows.shape[0]] = rows
+            out = h + buffer.sum(0)
+        elif self.how == "unique":
+            out = h * torch.unique(mask.long()).sum()
+        elif self.how == "loss":  # ELECTRA's head: a mean over the rows a mask keeps
+            return rows.pow(2).mean()
+        return x + out.view(b, t, d)
+
+
+@pytest.mark.parametrize("route", ["auto", "export"])
+@pytest.mark.parametrize("how", ["mean", "sort", "capacity", "buffer", "unique", "loss"])
+def test_rows_selected_by_value_computed_with_across_samples_are_refused_naming_the_op(how, route):
+    x = torch.randn(6, 5, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rows selected by value|a size set by values") as error:
+        autopipe.compile(SelectedRowsMisused(how).double(), devices=2, chunks=3, route=route, example_inputs=(x,))
+    assert "test_faithfulness.py" in str(error.value) or route == "auto", str(error.value)  # the user's line, where export records it
+    autopipe.compile(SelectedRowsMisused(how).double(), devices=2, chunks=1, route=route, example_inputs=(x,))  # one micro-batch: all its rows

@@ -387,12 +387,56 @@ class MaskedStack(nn.Module):
         return x
 
 
+class RoutedExperts(nn.Module):
+    """A mixture of experts as users write it: each expert takes the rows routed to it, a number that depends on the router's values, and
+    its output goes back where the rows came from. ``how``: ``x[mask]`` and ``out[mask] = y`` (top-1, which fx cannot trace); ``nonzero``
+    and ``index_add`` (top-2); transformers' eager experts (``torch.where``, ``h[None, idx].reshape(-1, d)``, ``index_add_``)."""
+
+    def __init__(self, how: str, d=16, experts=4):
+        super().__init__()
+        self.how, self.gate = how, nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = x.reshape(-1, d)
+        weights = self.gate(h).softmax(-1)
+        out = torch.zeros_like(h)
+        if self.how == "mask":
+            top = weights.argmax(-1)
+            for i, expert in enumerate(self.experts):
+                mask = top == i
+                out[mask] = expert(h[mask]) * weights[mask, i:i + 1]
+            return x + out.view(b, t, d)
+        weights, chosen = weights.topk(2, dim=-1)
+        for i, expert in enumerate(self.experts):
+            if self.how == "nonzero":
+                rows, slot = torch.nonzero(chosen == i, as_tuple=True)
+                out = out.index_add(0, rows, expert(h[rows]) * weights[rows, slot].unsqueeze(-1))
+            else:
+                slot, rows = torch.where(F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)[i])
+                out.index_add_(0, rows, expert(h[None, rows].reshape(-1, d)) * weights[rows, slot, None])
+        return x + out.view(b, t, d)
+
+
+class ExpertStack(nn.Module):
+    """Blocks of RoutedExperts, each written one way of ``hows``: rows of a size set by values inside every block, none between."""
+
+    def __init__(self, hows: tuple[str, ...] = ("mask", "nonzero", "transformers", "mask")):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.blocks = nn.Sequential(*[RoutedExperts(how) for how in hows])
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x)))
+
+
 def build(name: str) -> nn.Module:
     """The named small model with its default sizes, after ``torch.manual_seed(0)``."""
     torch.manual_seed(0)
     return {
         "mlp": MLP, "resnet": ResNet, "unet": UNet, "gpt": GPT, "kwargs": KwargsModel,
-        "dataclass": DataclassModel, "two_inputs": TwoInputs, "masked": MaskedStack,
+        "dataclass": DataclassModel, "two_inputs": TwoInputs, "masked": MaskedStack, "moe": ExpertStack,
     }[name]()
 
 
@@ -419,6 +463,8 @@ def random_inputs(name: str, batch: int = 8, generator: torch.Generator | None =
         return (torch.randn(batch, 6, generator=g), torch.randn(batch, 4, generator=g)), {}
     if name == "masked":  # seq 5: not a batch size the tests use, so the mask is never taken for batch rows
         return (torch.randn(batch, 5, 16, generator=g), nn.Transformer.generate_square_subsequent_mask(5)), {}
+    if name == "moe":
+        return (torch.randn(batch, 5, 8, generator=g),), {}
     raise KeyError(name)
 
 

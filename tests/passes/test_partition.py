@@ -150,3 +150,24 @@ def test_a_tied_weight_on_two_devices_is_held_by_the_first_and_replicated_to_the
     assert plan.param_devices["emb.weight"] == (torch.device("cuda", 0), torch.device("cuda", 1))
     assert plan.param_devices["body.1.weight"] == (devices[stage_of(plan)["body_1"]],)
     assert "emb.weight in stages [0, 2] (on cuda:0, replicated to cuda:1 each step)" in str(plan)
+
+
+class RoutedThroughTwoLayers(nn.Module):
+    """One expert of two equal layers given the rows a mask routes to it: the balanced cut of two stages falls between its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.first, self.second = nn.Linear(8, 2), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        mask = self.gate(x).argmax(-1) == 0
+        return x.index_put((torch.nonzero(mask).squeeze(1),), self.second(self.first(x[mask])), accumulate=True)
+
+
+def test_rows_of_a_size_set_by_values_never_cross_a_cut():
+    """A receiver sizes what it receives ahead (the wire spec), and x[mask]'s rows are no fixed number: from the selection to the last reader
+    of such rows is one stage, and the cut moves to the nearest place outside."""
+    plan = partition(costed(RoutedThroughTwoLayers(), torch.randn(6, 8)), 2)
+    stages = stage_of(plan)
+    assert stages["first"] == stages["second"] == stages["getitem"]
+    assert [t.name for t in plan.cut_tensors(0)] and all(t.name not in ("getitem", "first", "second") for t in plan.cut_tensors(0))

@@ -363,11 +363,17 @@ class MaskedTokens(nn.Module):
         return self.b(torch.relu(self.a(x))).squeeze(-1)[mask == 1].pow(2).mean()
 
 
-def test_a_shape_that_depends_on_values_is_a_clear_trace_error():
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_a_size_set_by_values_is_traced_at_its_largest_and_marked(route):
+    """FakeTensorMode raised on logits[mask == 1] (DynamicOutputShapeException) and trace refused; with a shape env the rows are u0, at
+    most the 24 the mask covers: costed at 24, marked for partition (which keeps them in one stage and follows them, test_faithfulness)."""
     x, mask = torch.randn(4, 6, 8), torch.ones(4, 6, dtype=torch.long)
     mask[1::2, 4:] = 0
-    with pytest.raises(TraceError, match=r"depends on the values of its input \(boolean-mask indexing"):
-        trace(MaskedTokens(), (x, mask))
+    traced = trace(MaskedTokens(), (x, mask), route=route)
+    selected = [n for n in traced.graph_module.graph.nodes if n.meta.get("selected_rows")]
+    assert selected and all(n.meta["data_dependent"] and n.meta["val"].shape[0] == 24 for n in selected)
+    assert all(n.meta["selected_rows"] == (0, "u0") for n in selected)
+    assert any("sizes that depend on values" in note for note in traced.notes)
 
 
 class Layouts(nn.Module):

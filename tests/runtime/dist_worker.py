@@ -2,8 +2,8 @@
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's results to OUT_DIR.
 
 Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
-``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``skip`` (a skip connection and an early model output between
-ranks), ``trap`` (a failure injected on one rank; see :class:`Trap`).
+``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``moe`` (experts given the rows routed to them),
+``skip`` (a skip connection and an early model output between ranks), ``trap`` (a failure injected on one rank; see :class:`Trap`).
 """
 import json
 import os
@@ -223,6 +223,13 @@ def main():
         target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
         pipe = autopipe.compile(build("masked").double(), chunks=4, timeout=30)
         loss = pipe.step(x.double(), mask.double(), target=target, loss_fn=F.mse_loss)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "moe":  # experts take the rows routed to them, a number set by values: inside a stage, never on the wire
+        (x,), _ = random_inputs("moe", 8, torch.Generator().manual_seed(1))
+        target = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        pipe = autopipe.compile(build("moe").double(), chunks=4, timeout=30)
+        loss = pipe.step(x.double(), target=target, loss_fn=F.mse_loss)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":

@@ -139,6 +139,23 @@ def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):
         torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_experts_given_rows_of_a_size_set_by_values_train_over_ranks_like_the_plain_model(tmp_path):
+    """x[mask], nonzero, torch.where: each rank sizes its experts' rows itself; what crosses between ranks has sizes fixed by the batch."""
+    run = launch("moe", 3, tmp_path)
+    assert run.codes == [0, 0, 0], run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    model = build("moe").double()
+    (x,), _ = random_inputs("moe", 8, torch.Generator().manual_seed(1))
+    target = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    loss = F.mse_loss(model(x.double()), target)
+    loss.backward()
+    assert results[-1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_pipeline_times_data_parallel(tmp_path):
     run = launch("dp", 4, tmp_path, DATA_PARALLEL=2, CHECKPOINT="never")
     assert run.codes == [0] * 4, run.log()
