@@ -372,7 +372,7 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
     sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d) round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
     written: dict[fx.Node, tuple[str, str]] = {}  # a storage (view root) written in place with a value that mixes samples -> how
-    views = _views(gm)
+    views, misread = _views(gm), _selections_misread(gm, from_batch)
     interleaved: dict[fx.Node, fx.Node] = {}  # rows of several samples in turn -> the flatten that made them
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
@@ -381,8 +381,8 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
             mixed[n] = mixed.get(mixed_input) or written[views[mixed_input]]
         elif n.meta.get("pairs_samples"):
             mixed[n] = (n.name, "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)")
-        elif n in from_batch and (how := _selected_rows_misread(n, from_batch)):
-            mixed[n] = (n.name, how)
+        elif n in misread:
+            mixed[n] = (n.name, misread[n])
         elif (reshape and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
               and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] > 1):
             mixed[n] = (n.name, f"reshapes {source.name} {tuple(v.shape)}, whose dim 0 is not the batch, into rows of samples: each row holds "
@@ -400,49 +400,185 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
     return mixed
 
 
-# ops that select whole rows, in order, by value (x[mask], x[idx], nonzero); ops that put rows back where they were taken (out[mask] = v, index_add)
-_SELECTS_BY_MASK = frozenset({"masked_select", "nonzero", "nonzero_numpy", "argwhere", "where"})
-_SELECTS = frozenset({"index", "getitem", "index_select"})
-_PUTS_BACK = frozenset({"index_put", "index_put_", "setitem", "index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter", "masked_scatter_",
-                        "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"})
+# rows selected by value: positions made from a mask, the rows they select, counts of them (passes/trace.py's "data_dependent", "selected_rows")
+_POSITIONS = frozenset({"nonzero", "argwhere", "where", "nonzero_numpy"})
+_SELECTS = frozenset({"index", "getitem", "index_select", "gather"})
+_PUTS_BACK = frozenset({"index_put", "index_put_", "setitem", "index_add", "index_add_", "index_copy", "index_copy_", "index_reduce", "index_reduce_",
+                        "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"})
+_SIZES_OF_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "expand"})  # ops that may take a count as a size
+_POINTWISE_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_",
+                                  "invert", "iadd", "isub", "imul", "itruediv"})  # fx's Python operators on tensors
 
 
-def _selected_rows_misread(n: fx.Node, from_batch: set[fx.Node]) -> str:
-    """Why a value of batch rows selected by value (trace's "selected_rows": x[mask], a number of rows each micro-batch has its own of) is not
-    computed row by row as the plain model computes it, or "". Proven: selecting rows (a micro-batch selects its own, in order), row-wise ops that
-    keep their number, and putting them back into batch rows along dim 0; anything else (a sum, sort or slice over the selected rows, a capacity
-    buffer they are written to) may mix the samples."""
-    selected = [a for a in n.all_input_nodes if a in from_batch and a.meta.get("data_dependent") and not isinstance(a.meta.get("val"), (int, float))]
-    if not selected and not n.meta.get("data_dependent"):
-        return ""
-    name = op_name(n.target) if n.op in ("call_function", "call_method") else ""
-    where = f"rows selected by value ({selected[0].name}: a number of rows each micro-batch has its own of)" if selected else ""
-    if not n.meta.get("data_dependent"):
-        destination, dim = n.args[0] if n.args else None, (bind(n.target, n.args, n.kwargs) or {}).get("dim", 0)
-        if name in _SHAPE_ONLY or name in _PUTS_BACK and destination not in selected and rows_per_sample(destination) and dim in (0, None):
+_ALONG_DIM_MODULES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Softmax, torch.nn.LogSoftmax)
+
+
+def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, str]:
+    """Each node computed from rows selected by value (x[mask], nonzero, torch.where) other than as the plain model computes it, under
+    micro-batches -> why. Proven: positions of a mask over batch rows (each micro-batch numbers its own rows from 0), used only as indices of the
+    dims they came from, of batch rows or of selected rows of the same number; the rows they select, computed row by row with their number
+    kept; their counts only as the sizes of views; and the rows put back into batch rows where they were taken. Anything else (arithmetic on
+    the positions, a parameter indexed by them, a mean, sort or slice over the rows, a count in arithmetic) would differ between micro-batches."""
+    positions: dict[fx.Node, tuple[fx.Node, int | None]] = {}  # -> (its nonzero / where, the dim of the mask it holds; None: all, as (n, ndim))
+    rows: set[fx.Node] = set()
+    counts: set[fx.Node] = set()
+    found: dict[fx.Node, str] = {}
+
+    def size(t: fx.Node, d: int) -> tuple[bool, str]:  # (a dim of rows?, its size): the symbol's name where set by values (u0)
+        if (sel := t.meta.get("selected_rows")) and sel[0] == d:
+            return True, sel[1]
+        v = t.meta["val"]
+        return bool(d == 0 and rows_per_sample(t) or t.meta.get("batch_dim") == d), str(int(v.shape[d]))
+
+    def indexed(n: fx.Node, name: str) -> tuple[Any, list[tuple[int, Any]]] | None:  # (the tensor indexed, [(its dim, the index)])
+        bound = bind(n.target, n.args, n.kwargs) or {}
+        if name in ("index_select", "gather") or name.startswith(("index_add", "index_copy", "index_reduce", "scatter")):
+            return n.args[0], [(bound.get("dim", 0), bound.get("index"))]
+        if name in ("index", "index_put", "index_put_"):
+            return n.args[0], [(p, i) for p, i in enumerate(n.args[1]) if i is not None]
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)  # getitem / setitem: x[mask, 2:], x[:, j]
+        pairs, d = [], 0
+        for i in index:
+            if i is Ellipsis:
+                return None
+            if isinstance(i, fx.Node):
+                pairs.append((d, i))
+            d += i is not None
+        return n.args[0], pairs
+
+    def misreads_index(n: fx.Node, name: str) -> str:
+        if not any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in n.all_input_nodes[1:]):
+            return ""  # no index by value: x[..., None], gather(x, -1, idx)
+        got = indexed(n, name)
+        if got is None or not isinstance(got[0], fx.Node):
+            return "indexes them in a way autopipe cannot follow"
+        target, pairs = got
+        if target in positions:
+            return "indexes the positions themselves"
+        origins, by_rows = set(), False
+        for d, i in pairs:
+            if not isinstance(i, fx.Node) or not isinstance(i.meta.get("val"), torch.Tensor):
+                return "indexes them in a way autopipe cannot follow"
+            if i in positions:
+                origin, j = positions[i]
+                if j is None:
+                    return f"indexes with {i.name}, all positions of a mask at once"
+                origins.add(origin)
+                mask_dim, target_dim = size(origin.args[0], j), size(target, d)
+            elif i.meta["val"].dtype == torch.bool and i in from_batch:
+                origins.add(i)
+                mask_dim, target_dim = size(i, 0), size(target, d)
+            else:
+                continue  # an index of no rows by value: a constant, or row-wise (gather(x, -1, idx))
+            if mask_dim != target_dim:
+                return (f"indexes dim {d} of {target.name} with positions in a mask's dim of {mask_dim[1]} (not the same rows: a micro-batch numbers "
+                        f"its own from 0)")
+            by_rows |= mask_dim[0]
+        if not origins:
             return ""
-        return f"reads {where} other than row by row or put back into batch rows (x[mask] = v, index_add along dim 0): a micro-batch has only its own"
-    if isinstance(n.meta.get("val"), (int, float, bool)):
-        return ""  # a count (mask.sum().item()): trace's "batch_number"
-    rows = n.meta.get("selected_rows")
-    indices = n.all_input_nodes[1:]
-    by_index = indices and all(a in from_batch for a in indices) or n.target is operator.getitem and isinstance(n.args[0].meta.get("val"), (tuple, list))
-    if rows is not None and (name in _SELECTS_BY_MASK and all(a in from_batch for a in n.all_input_nodes) or name in _SELECTS and by_index):
-        return ""  # batch rows or selected rows, by a mask or indices of this micro-batch; one tensor of a tuple
-    first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if rows is None or not selected or first not in selected or any((a.meta.get("selected_rows") or ())[1:] != rows[1:] for a in selected):
-        return f"has a size set by values ({name or n.target}) that autopipe cannot follow{' from ' + where if where else ''}"
-    module = _module_of(n)
-    if name in _ALONG_DIMS or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
-        bound, ndim, along = bind(n.target, n.args, n.kwargs) or {}, first.meta["val"].dim(), first.meta["selected_rows"][0]
-        shape, dims = bound.get("normalized_shape", getattr(module, "normalized_shape", None)), bound.get("dim")
-        keeps = (name in ("dropout", "native_dropout") or shape is not None and len(shape) < ndim - along or
-                 dims is not None and all(isinstance(d, int) and d % ndim != along for d in (dims if isinstance(dims, (list, tuple)) else [dims])))
-    else:
-        keeps = (name in _RESHAPES or name in _SHAPE_ONLY or isinstance(module, _ROW_MODULES)
-                 or name in _ON_ROWS and all(a is first for a in selected)
-                 or any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name)))
-    return "" if keeps else f"computes from {where} other than row by row: a micro-batch has only its own"
+        if len(origins) > 1:
+            return "indexes with positions of different masks"
+        if not by_rows:
+            return f"indexes {target.name} by value along other dims than its rows (each row would take other samples' elements)"
+        return ""
+
+    for n in gm.graph.nodes:
+        if n not in from_batch or n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        name = op_name(n.target) if n.op != "call_module" else ""
+        val, dd = n.meta.get("val"), n.meta.get("data_dependent")
+        ins = n.all_input_nodes
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if name in _POSITIONS and first is not None and dd and len([a for a in n.args if isinstance(a, fx.Node)]) == 1:
+            if not any(size(first, j)[0] for j in range(first.meta["val"].dim())):
+                found[n] = f"takes positions of {first.name}, which has no dim of rows of samples"
+            else:
+                one_dim = isinstance(val, torch.Tensor) and first.meta["val"].dim() == 1  # nonzero of a 1-D mask: (u0, 1)
+                positions[n] = (n, 0 if one_dim else None)
+            continue
+        if first in positions and name in ("getitem", "select") + tuple(_RESHAPES) + ("squeeze", "unsqueeze", "expand", "expand_as") \
+                and not any(a in positions for a in ins[1:]):
+            origin, j = positions[first]
+            if name == "getitem" and isinstance(first.meta.get("val"), (tuple, list)):
+                j = n.args[1]  # one tensor of torch.where's tuple
+            elif name in ("getitem", "select"):  # a column of nonzero's (u0, ndim): export's select(1, j), fx's [:, j]
+                index = n.args[1:] if name == "select" else n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+                if name == "select" and tuple(index) and index[0] == 1:
+                    j = index[1]
+                elif name == "getitem" and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], int):
+                    j = index[1]
+                elif not (name == "getitem" and all(i == slice(None) or i is None for i in index)):
+                    found[n] = f"takes some of the positions {first.name} (each micro-batch has its own)"
+                    continue
+            positions[n] = (origin, j)
+            continue
+        if first in rows and name == "getitem" and isinstance(first.meta.get("val"), (tuple, list)):
+            rows.add(n)  # one tensor of a tuple of rows (split along another dim)
+            continue
+        if (name in _SELECTS or name in _PUTS_BACK) and not (name == "getitem" and isinstance(first.meta.get("val"), (tuple, list))):
+            how = misreads_index(n, name)
+            values = n.args[-1] if name in ("index_put", "index_put_", "setitem") or name in _PUTS_BACK else None
+            if not how and isinstance(values, fx.Node) and values in positions:
+                how = "writes the positions as values (each micro-batch numbers its own rows from 0)"
+            if how:
+                found[n] = f"{how}"
+            elif name in _SELECTS and dd:
+                rows.add(n)
+            continue
+        if any(a in positions for a in ins):
+            found[n] = (f"computes with the positions {next(a for a in ins if a in positions).name} (row numbers each micro-batch counts from 0) "
+                        f"other than as indices of the rows they came from")
+            continue
+        if dd and not isinstance(val, torch.Tensor) and not isinstance(val, (tuple, list)):
+            counts.add(n)  # x.shape[0] of selected rows, mask.sum().item(): used as sizes only, checked where read
+            continue
+        if used := next((a for a in ins if a in counts), None):
+            if name not in _SIZES_OF_VIEWS and not (not isinstance(val, torch.Tensor) and dd):
+                found[n] = f"computes with {used.name}, a count of rows selected by value (each micro-batch counts its own)"
+                continue
+            if not isinstance(val, torch.Tensor):
+                counts.add(n)
+                continue
+        if name in ("masked_scatter", "masked_scatter_") and len(n.args) > 2:
+            source = n.args[2]  # a source of the destination's own shape gives its first elements, whichever rows the mask selects
+            if source not in rows and source in from_batch and tuple(source.meta["val"].shape) == tuple(n.meta["val"].shape):
+                found[n] = ("takes its source's first elements, of all the samples' rows, in the order of the mask's true entries (a source of rows "
+                            "the same mask selected, or of as many rows as it selects, a vision tower's, stays apart)")
+            continue
+        selected = [a for a in ins if a in rows]
+        if not selected and not dd:
+            continue
+        if not dd:
+            if name not in _SHAPE_ONLY:
+                found[n] = f"reads rows selected by value ({selected[0].name}) other than row by row or put back where they were taken"
+            continue
+        sel = n.meta.get("selected_rows")
+        others = [a for a in ins if a in from_batch and a not in rows and isinstance(a.meta.get("val"), torch.Tensor)]  # h[mask] * h.mean(0)
+        if name in ("cat", "concat", "concatenate") and n.args and isinstance(n.args[0], (list, tuple)) and n.args[0]:
+            first = n.args[0][0]  # torch.cat([rows, f(rows)], -1)
+        if sel is None or not selected or first not in rows or others or any(a.meta["selected_rows"][1] != sel[1] for a in selected):
+            found[n] = f"has a size set by values ({name or n.target}) that autopipe cannot follow" + (f" from rows {selected[0].name}" if selected else "")
+            continue
+        module = _module_of(n)
+        ndim, along = first.meta["val"].dim(), first.meta["selected_rows"][0]
+        bound = bind(n.target, n.args, n.kwargs) or {} if n.op != "call_module" else {}
+        if name in _ALONG_DIMS or name in ("cat", "concat", "concatenate") or isinstance(module, _ALONG_DIM_MODULES):
+            shape, dims = bound.get("normalized_shape", getattr(module, "normalized_shape", None)), bound.get("dim", getattr(module, "dim", None))
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            keeps = (name in ("dropout", "native_dropout") or shape is not None and len(shape) < ndim - along or
+                     dims != [None] and all(isinstance(d, int) and d % ndim != along for d in dims))
+        elif name in _ON_ROWS:  # the rows as the operand whose rows stay rows: linear(x, w), x @ w; not a convolution's channels or an image's height
+            operand = n.args[1] if name in ("addmm", "baddbmm") else first
+            keeps = name not in ("embedding",) and not name.startswith("conv") and all(a is operand for a in selected) and along == 0 and ndim >= 2
+        else:
+            pointwise = name in _POINTWISE_OPERATORS or any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name))
+            activation = type(module).__module__ == "torch.nn.modules.activation" and not isinstance(module, torch.nn.MultiheadAttention)
+            keeps = name in _RESHAPES or name in _SHAPE_ONLY or pointwise or isinstance(module, _ROW_MODULES) or activation
+        if keeps:
+            rows.add(n)
+        else:
+            found[n] = f"computes from rows selected by value ({selected[0].name}) other than row by row"
+    return found
 
 
 def _module_of(n: fx.Node) -> torch.nn.Module | None:
@@ -465,6 +601,10 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
         if function and _reorders_batch(n):
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
+        if function and _scans_batch(n):
+            notes.append(f"{node_where(n)} scans along the batch dim (a running count over several samples' rows, as capacity-limited routing "
+                         f"keeps the first rows an expert gets): each micro-batch scans only its own rows, so values and gradients are not the "
+                         f"plain model's; compute it outside the model, or run with chunks=1")
         size = next((a.name for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")),
                     "a literal" if n.meta.get("batch_literal") else None)  # trace's facts
         if function and rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
@@ -499,6 +639,15 @@ def _reorders_batch(n: fx.Node) -> bool:
             return True
     ndim = source.meta["val"].dim()
     return any(isinstance(d, int) and d % ndim == 0 for d in ([dims] if isinstance(dims, int) else dims))
+
+
+def _scans_batch(n: fx.Node) -> bool:
+    """``torch.cumsum`` and its kin along dim 0 of batch rows."""
+    source = n.args[0] if n.args else None
+    if op_name(n.target) not in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp") or not rows_per_sample(source):
+        return False
+    dim = (bind(n.target, n.args, n.kwargs) or {}).get("dim")
+    return isinstance(dim, int) and dim % max(source.meta["val"].dim(), 1) == 0
 
 
 _ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "div", "floordiv", "pow", "rsub", "iadd", "isub", "imul", "itruediv",

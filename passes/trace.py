@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._sympy.numbers import int_oo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
@@ -647,7 +648,7 @@ def _at_largest(x: Any) -> Any:
     """A number, or a fake tensor's sizes, with each symbol of the shape env at its upper bound (1 where it has none: ``.item()``)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         bounds = {u: x.node.shape_env.var_to_range[u].upper for u in free_unbacked_symbols(x)}
-        value = x.node.expr.xreplace({u: b if b.is_finite else 1 for u, b in bounds.items()})
+        value = x.node.expr.xreplace({u: 1 if b in (int_oo, -int_oo) or not b.is_finite else b for u, b in bounds.items()})
         return int(value) if isinstance(x, torch.SymInt) else float(value) if isinstance(x, torch.SymFloat) else bool(value)
     if isinstance(x, torch.Tensor) and free_unbacked_symbols(x):
         with x.fake_mode:
