@@ -372,8 +372,8 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
     sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d) round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
     written: dict[fx.Node, tuple[str, str]] = {}  # a storage (view root) written in place with a value that mixes samples -> how
-    views, misread = _views(gm), _selections_misread(gm, from_batch)
-    interleaved: dict[fx.Node, fx.Node] = {}  # rows of several samples in turn -> the flatten that made them
+    interleaved = _interleaved_rows(gm)
+    views, misread = _views(gm), _selections_misread(gm, from_batch, interleaved)
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
         reshape, v = op_name(n.target) in _RESHAPES, source.meta.get("val") if source is not None else None
@@ -390,14 +390,24 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
         elif reshape and rows_per_sample(n) == 1 and source in interleaved:
             mixed[n] = (n.name, f"reshapes rows that {interleaved[source].name} made by flattening a tensor whose batch is not in dim 0 (a "
                                 f"sequence-first one: rows in sequence order) into rows of samples: each row holds parts of several samples")
-        elif rows_per_sample(n) > 1 and reshape and isinstance(v, torch.Tensor) and (d := source.meta.get("batch_dim", 0)) > 0 and \
-                math.prod(v.shape[:d]) > 1:
-            interleaved[n] = n
-        elif rows_per_sample(n) > 1 and (origin := next((interleaved[a] for a in n.all_input_nodes if a in interleaved), None)):
-            interleaved[n] = origin
         if n in mixed and _is_inplace(n) and isinstance(n.args[0], fx.Node):
             written[views[n.args[0]]] = mixed[n]  # buf[0, :k] = rows: what reads buf after reads them
     return mixed
+
+
+def _interleaved_rows(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Rows of several samples in turn (k rows a sample in sequence order: a flatten of a tensor whose batch is in a later dim, and row-wise
+    ops on them) -> the flatten that made them."""
+    interleaved: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
+        v = source.meta.get("val") if source is not None else None
+        if rows_per_sample(n) > 1 and op_name(n.target) in _RESHAPES and isinstance(v, torch.Tensor) and (d := source.meta.get("batch_dim", 0)) > 0 \
+                and math.prod(v.shape[:d]) > 1:
+            interleaved[n] = n
+        elif rows_per_sample(n) > 1 and (origin := next((interleaved[a] for a in n.all_input_nodes if a in interleaved), None)):
+            interleaved[n] = origin
+    return interleaved
 
 
 # rows selected by value: positions made from a mask, the rows they select, counts of them (passes/trace.py's "data_dependent", "selected_rows")
@@ -413,7 +423,7 @@ _POINTWISE_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "floordiv", "m
 _ALONG_DIM_MODULES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Softmax, torch.nn.LogSoftmax)
 
 
-def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, str]:
+def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node]) -> dict[fx.Node, str]:
     """Each node computed from rows selected by value (x[mask], nonzero, torch.where) other than as the plain model computes it, under
     micro-batches -> why. Proven: positions of a mask over batch rows (each micro-batch numbers its own rows from 0), used only as indices of the
     dims they came from, of batch rows or of selected rows of the same number; the rows they select, computed row by row with their number
@@ -427,8 +437,8 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
     def size(t: fx.Node, d: int) -> tuple[bool, str]:  # (a dim of rows?, its size): the symbol's name where set by values (u0)
         if (sel := t.meta.get("selected_rows")) and sel[0] == d:
             return True, sel[1]
-        v = t.meta["val"]
-        return bool(d == 0 and rows_per_sample(t) or t.meta.get("batch_dim") == d), str(int(v.shape[d]))
+        v = t.meta["val"]  # rows in sequence order (interleaved) are no sample's rows in turn
+        return bool((d == 0 and rows_per_sample(t) or t.meta.get("batch_dim") == d) and t not in interleaved), str(int(v.shape[d]))
 
     def indexed(n: fx.Node, name: str) -> tuple[Any, list[tuple[int, Any]]] | None:  # (the tensor indexed, [(its dim, the index)])
         bound = bind(n.target, n.args, n.kwargs) or {}
@@ -489,7 +499,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
         val, dd = n.meta.get("val"), n.meta.get("data_dependent")
         ins = n.all_input_nodes
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if name in _POSITIONS and first is not None and dd and len([a for a in n.args if isinstance(a, fx.Node)]) == 1:
+        if name in _POSITIONS and first is not None and dd and len(n.args) == 1:  # not torch.where(cond, a, b)
             if not any(size(first, j)[0] for j in range(first.meta["val"].dim())):
                 found[n] = f"takes positions of {first.name}, which has no dim of rows of samples"
             else:
@@ -515,21 +525,29 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
         if first in rows and name == "getitem" and isinstance(first.meta.get("val"), (tuple, list)):
             rows.add(n)  # one tensor of a tuple of rows (split along another dim)
             continue
-        if (name in _SELECTS or name in _PUTS_BACK) and not (name == "getitem" and isinstance(first.meta.get("val"), (tuple, list))):
+        by_value = any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in ins[1:])
+        if (name in _SELECTS or name in _PUTS_BACK) and by_value and not (name == "getitem" and isinstance(first.meta.get("val"), (tuple, list))):
             how = misreads_index(n, name)
-            values = n.args[-1] if name in ("index_put", "index_put_", "setitem") or name in _PUTS_BACK else None
-            if not how and isinstance(values, fx.Node) and values in positions:
-                how = "writes the positions as values (each micro-batch numbers its own rows from 0)"
+            if name in _PUTS_BACK:  # what is put: rows the same positions selected, or a value of no sample (out[mask] = 0)
+                bound = bind(n.target, n.args, n.kwargs) or {}
+                values = n.args[2] if name == "setitem" else next((bound[k] for k in ("values", "source", "src", "value") if k in bound), None)
+                if isinstance(values, fx.Node) and values in from_batch and values not in rows:
+                    how = how or f"puts {values.name} back, which is not rows the same positions selected (it would give other rows' values)"
             if how:
-                found[n] = f"{how}"
-            elif name in _SELECTS and dd:
+                found[n] = how
+            elif name in _SELECTS and n.meta.get("selected_rows"):
                 rows.add(n)
+            elif name in _SELECTS:
+                found[n] = "selects rows by value into a layout autopipe cannot follow (their rows not in the leading dim)"
+            continue
+        if any(a in positions for a in ins) and (name in _SHAPE_ONLY or name == "getattr") and not isinstance(val, torch.Tensor):
+            counts.add(n)  # positions.shape[0]: a count
             continue
         if any(a in positions for a in ins):
             found[n] = (f"computes with the positions {next(a for a in ins if a in positions).name} (row numbers each micro-batch counts from 0) "
                         f"other than as indices of the rows they came from")
             continue
-        if dd and not isinstance(val, torch.Tensor) and not isinstance(val, (tuple, list)):
+        if dd and not isinstance(val, torch.Tensor) and not (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)):
             counts.add(n)  # x.shape[0] of selected rows, mask.sum().item(): used as sizes only, checked where read
             continue
         if used := next((a for a in ins if a in counts), None):
@@ -541,7 +559,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
                 continue
         if name in ("masked_scatter", "masked_scatter_") and len(n.args) > 2:
             source = n.args[2]  # a source of the destination's own shape gives its first elements, whichever rows the mask selects
-            if source not in rows and source in from_batch and tuple(source.meta["val"].shape) == tuple(n.meta["val"].shape):
+            if source not in rows and source in from_batch and source.meta["val"].numel() >= n.meta["val"].numel():
                 found[n] = ("takes its source's first elements, of all the samples' rows, in the order of the mask's true entries (a source of rows "
                             "the same mask selected, or of as many rows as it selects, a vision tower's, stays apart)")
             continue
@@ -556,13 +574,15 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
         others = [a for a in ins if a in from_batch and a not in rows and isinstance(a.meta.get("val"), torch.Tensor)]  # h[mask] * h.mean(0)
         if name in ("cat", "concat", "concatenate") and n.args and isinstance(n.args[0], (list, tuple)) and n.args[0]:
             first = n.args[0][0]  # torch.cat([rows, f(rows)], -1)
-        if sel is None or not selected or first not in rows or others or any(a.meta["selected_rows"][1] != sel[1] for a in selected):
+        elif first not in rows and selected and n.op != "call_module":
+            first = selected[0]  # 2.0 * rows
+        if sel is None or not selected or first not in rows or others or any(a.meta.get("selected_rows", (0, ""))[1] != sel[1] for a in selected):
             found[n] = f"has a size set by values ({name or n.target}) that autopipe cannot follow" + (f" from rows {selected[0].name}" if selected else "")
             continue
         module = _module_of(n)
         ndim, along = first.meta["val"].dim(), first.meta["selected_rows"][0]
         bound = bind(n.target, n.args, n.kwargs) or {} if n.op != "call_module" else {}
-        if name in _ALONG_DIMS or name in ("cat", "concat", "concatenate") or isinstance(module, _ALONG_DIM_MODULES):
+        if name in _ALONG_DIMS or name in ("cat", "concat", "concatenate") or isinstance(module, _ALONG_DIM_MODULES) or hasattr(module, "dim"):
             shape, dims = bound.get("normalized_shape", getattr(module, "normalized_shape", None)), bound.get("dim", getattr(module, "dim", None))
             dims = dims if isinstance(dims, (list, tuple)) else [dims]
             keeps = (name in ("dropout", "native_dropout") or shape is not None and len(shape) < ndim - along or
@@ -572,8 +592,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx
             keeps = name not in ("embedding",) and not name.startswith("conv") and all(a is operand for a in selected) and along == 0 and ndim >= 2
         else:
             pointwise = name in _POINTWISE_OPERATORS or any(torch.Tag.pointwise in o.tags for o in aten_overloads(n.target if n.op == "call_method" else name))
-            activation = type(module).__module__ == "torch.nn.modules.activation" and not isinstance(module, torch.nn.MultiheadAttention)
-            keeps = name in _RESHAPES or name in _SHAPE_ONLY or pointwise or isinstance(module, _ROW_MODULES) or activation
+            activation = type(module).__module__ == "torch.nn.modules.activation" and not isinstance(module, (torch.nn.MultiheadAttention, torch.nn.Softmax2d))
+            index = n.args[1] if name == "getitem" and len(n.args) > 1 else None  # rows[:, 0]: every row
+            kept_rows = isinstance(index, tuple) and index[:1] == (slice(None),) and along == 0
+            keeps = name in _RESHAPES or name in _SHAPE_ONLY or pointwise or isinstance(module, _ROW_MODULES) or activation or kept_rows
         if keeps:
             rows.add(n)
         else:

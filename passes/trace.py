@@ -212,7 +212,10 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     inputs = traced.flatten_inputs(arguments)
     try:
         _shaped(traced, inputs)
-    except (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode) as e:
+    except RuntimeError as e:
+        known = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
+        if not isinstance(e, known) and not re.search(r"\bu\d+\b", str(e)):  # else a size set by values (u0) in the failing op
+            raise
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
         raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {_first_line(e)}) has a shape that depends "
                          f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
