@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autopipe.plan import Plan, StagePlan, TensorInfo
 from autopipe.random_ops import aten_overloads, bind, is_random_target, op_name, signature_of
@@ -389,7 +390,8 @@ def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
                                 f"parts of several samples (a view with the batch size written in, a flatten of a sequence-first tensor)")
         elif reshape and rows_per_sample(n) == 1 and source in interleaved:
             mixed[n] = (n.name, f"reshapes rows that {interleaved[source].name} made by flattening a tensor whose batch is not in dim 0 (a "
-                                f"sequence-first one: rows in sequence order) into rows of samples: each row holds parts of several samples")
+                                f"sequence-first one: rows in sequence order), or by stacking batches along dim 0 (torch.cat(x.unbind(1)), repeat), into "
+                                f"rows of samples: each row holds parts of several samples")
         if n in mixed and _is_inplace(n) and isinstance(n.args[0], fx.Node):
             written[views[n.args[0]]] = mixed[n]  # buf[0, :k] = rows: what reads buf after reads them
     return mixed
@@ -403,11 +405,26 @@ def _interleaved_rows(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
         v = source.meta.get("val") if source is not None else None
         if rows_per_sample(n) > 1 and op_name(n.target) in _RESHAPES and isinstance(v, torch.Tensor) and (d := source.meta.get("batch_dim", 0)) > 0 \
-                and math.prod(v.shape[:d]) > 1:
+                and math.prod(v.shape[:d]) > 1 or rows_per_sample(n) > 1 and _stacks_batches(n):
             interleaved[n] = n
         elif rows_per_sample(n) > 1 and (origin := next((interleaved[a] for a in n.all_input_nodes if a in interleaved), None)):
             interleaved[n] = origin
     return interleaved
+
+
+def _stacks_batches(n: fx.Node) -> bool:
+    """Batch rows stacked along dim 0 one batch after another: ``torch.cat(x.unbind(1))``, ``x.repeat(t, 1)``, ``torch.tile``."""
+    name, number = op_name(n.target), lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a
+    if name in ("cat", "concat", "concatenate", "vstack", "row_stack") and n.args:
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        parts = n.args[0] if isinstance(n.args[0], (list, tuple)) else n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else ()
+        batches = [a for a in parts if rows_per_sample(a)] if isinstance(n.args[0], (list, tuple)) else list(parts or ())  # fx: cat(x.unbind(1))
+        return dim == 0 and len(batches) > 1
+    if name in ("repeat", "tile") and len(n.args) > 1 and rows_per_sample(n.args[0]):
+        times = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        lead = len(times) - n.args[0].meta["val"].dim()  # repeat's extra leading dims count first
+        return lead >= 0 and isinstance(number(times[lead]), int) and number(times[lead]) > 1
+    return False
 
 
 # rows selected by value: positions made from a mask, the rows they select, counts of them (passes/trace.py's "data_dependent", "selected_rows")
@@ -420,6 +437,8 @@ _POINTWISE_OPERATORS = frozenset({"add", "sub", "mul", "truediv", "floordiv", "m
                                   "invert", "iadd", "isub", "imul", "itruediv"})  # fx's Python operators on tensors
 
 
+_SAME_ORDER = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "alias", "clone", "detach",
+                         "expand", "expand_as", "slice", "getitem"})
 _ALONG_DIM_MODULES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Softmax, torch.nn.LogSoftmax)
 
 
@@ -430,9 +449,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
     kept; their counts only as the sizes of views; and the rows put back into batch rows where they were taken. Anything else (arithmetic on
     the positions, a parameter indexed by them, a mean, sort or slice over the rows, a count in arithmetic) would differ between micro-batches."""
     positions: dict[fx.Node, tuple[fx.Node, int | None]] = {}  # -> (its nonzero / where, the dim of the mask it holds; None: all, as (n, ndim))
-    rows: set[fx.Node] = set()
+    rows: dict[fx.Node, fx.Node] = {}  # -> the mask, or nonzero / where, that selected them: row i is its i-th true entry
     counts: set[fx.Node] = set()
     found: dict[fx.Node, str] = {}
+    origin_of: dict[fx.Node, fx.Node] = {}  # a selection or put-back -> the mask, or nonzero / where, of its index
 
     def size(t: fx.Node, d: int) -> tuple[bool, str]:  # (a dim of rows?, its size): the symbol's name where set by values (u0)
         if (sel := t.meta.get("selected_rows")) and sel[0] == d:
@@ -445,7 +465,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
         if name in ("index_select", "gather") or name.startswith(("index_add", "index_copy", "index_reduce", "scatter")):
             return n.args[0], [(bound.get("dim", 0), bound.get("index"))]
         if name in ("index", "index_put", "index_put_"):
-            return n.args[0], [(p, i) for p, i in enumerate(n.args[1]) if i is not None]
+            return (n.args[0], [(p, i) for p, i in enumerate(n.args[1]) if i is not None]) if isinstance(n.args[1], (list, tuple)) else None
         index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)  # getitem / setitem: x[mask, 2:], x[:, j]
         pairs, d = [], 0
         for i in index:
@@ -455,6 +475,12 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
                 pairs.append((d, i))
             d += i is not None
         return n.args[0], pairs
+
+    def mask_of(m: Any) -> Any:  # a view of a mask in the same row-major order (m.view(b, t), m[:, None]) selects in the same order
+        while isinstance(m, fx.Node) and m.args and isinstance(m.args[0], fx.Node) and op_name(m.target) in _SAME_ORDER and not (
+                op_name(m.target) == "getitem" and any(isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor) for a in pytree.tree_leaves(m.args[1:]))):
+            m = m.args[0]
+        return m
 
     def misreads_index(n: fx.Node, name: str) -> str:
         if not any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in n.all_input_nodes[1:]):
@@ -473,10 +499,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
                 origin, j = positions[i]
                 if j is None:
                     return f"indexes with {i.name}, all positions of a mask at once"
-                origins.add(origin)
+                origins.add(mask_of(origin.args[0]))  # the mask: nonzero(m) and m select the same rows in the same order
                 mask_dim, target_dim = size(origin.args[0], j), size(target, d)
             elif i.meta["val"].dtype == torch.bool and i in from_batch:
-                origins.add(i)
+                origins.add(mask_of(i))
                 mask_dim, target_dim = size(i, 0), size(target, d)
             else:
                 continue  # an index of no rows by value: a constant, or row-wise (gather(x, -1, idx))
@@ -490,6 +516,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             return "indexes with positions of different masks"
         if not by_rows:
             return f"indexes {target.name} by value along other dims than its rows (each row would take other samples' elements)"
+        origin_of[n] = origins.pop()
         return ""
 
     for n in gm.graph.nodes:
@@ -523,7 +550,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             positions[n] = (origin, j)
             continue
         if first in rows and name == "getitem" and isinstance(first.meta.get("val"), (tuple, list)):
-            rows.add(n)  # one tensor of a tuple of rows (split along another dim)
+            if isinstance(val, torch.Tensor):
+                rows[n] = rows[first]  # one tensor of a tuple of rows (split along another dim)
+            else:
+                found[n] = f"takes a part of the tuple {first.name} of selected rows, which autopipe cannot follow"
             continue
         by_value = any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in ins[1:])
         if (name in _SELECTS or name in _PUTS_BACK) and by_value and not (name == "getitem" and isinstance(first.meta.get("val"), (tuple, list))):
@@ -531,12 +561,12 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             if name in _PUTS_BACK:  # what is put: rows the same positions selected, or a value of no sample (out[mask] = 0)
                 bound = bind(n.target, n.args, n.kwargs) or {}
                 values = n.args[2] if name == "setitem" else next((bound[k] for k in ("values", "source", "src", "value") if k in bound), None)
-                if isinstance(values, fx.Node) and values in from_batch and values not in rows:
+                if isinstance(values, fx.Node) and values in from_batch and rows.get(values) is not origin_of.get(n, values):
                     how = how or f"puts {values.name} back, which is not rows the same positions selected (it would give other rows' values)"
             if how:
                 found[n] = how
             elif name in _SELECTS and n.meta.get("selected_rows"):
-                rows.add(n)
+                rows[n] = origin_of[n]
             elif name in _SELECTS:
                 found[n] = "selects rows by value into a layout autopipe cannot follow (their rows not in the leading dim)"
             continue
@@ -558,8 +588,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
                 counts.add(n)
                 continue
         if name in ("masked_scatter", "masked_scatter_") and len(n.args) > 2:
-            source = n.args[2]  # a source of the destination's own shape gives its first elements, whichever rows the mask selects
-            if source not in rows and source in from_batch and source.meta["val"].numel() >= n.meta["val"].numel():
+            source, mask = n.args[2], n.args[1]  # a source of the destination's own shape gives its first elements, whichever rows the mask selects
+            if source in rows and rows[source] is not mask_of(mask):  # mask[:, None].expand_as(out): the mask
+                found[n] = f"puts {source.name} back, which is not rows the same mask selected (it would give other rows' values)"
+            elif source not in rows and source in from_batch and source.meta["val"].numel() >= n.meta["val"].numel():
                 found[n] = ("takes its source's first elements, of all the samples' rows, in the order of the mask's true entries (a source of rows "
                             "the same mask selected, or of as many rows as it selects, a vision tower's, stays apart)")
             continue
@@ -576,7 +608,8 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             first = n.args[0][0]  # torch.cat([rows, f(rows)], -1)
         elif first not in rows and selected and n.op != "call_module":
             first = selected[0]  # 2.0 * rows
-        if sel is None or not selected or first not in rows or others or any(a.meta.get("selected_rows", (0, ""))[1] != sel[1] for a in selected):
+        if sel is None or not selected or first not in rows or others or any(a.meta.get("selected_rows", (0, ""))[1] != sel[1] for a in selected) \
+                or not isinstance(first.meta.get("val"), torch.Tensor):
             found[n] = f"has a size set by values ({name or n.target}) that autopipe cannot follow" + (f" from rows {selected[0].name}" if selected else "")
             continue
         module = _module_of(n)
@@ -596,8 +629,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             index = n.args[1] if name == "getitem" and len(n.args) > 1 else None  # rows[:, 0]: every row
             kept_rows = isinstance(index, tuple) and index[:1] == (slice(None),) and along == 0
             keeps = name in _RESHAPES or name in _SHAPE_ONLY or pointwise or isinstance(module, _ROW_MODULES) or activation or kept_rows
-        if keeps:
-            rows.add(n)
+        if keeps and len({rows[a] for a in selected}) > 1:
+            found[n] = f"combines rows that different masks selected ({', '.join(a.name for a in selected)}): row i of one is not row i of the other"
+        elif keeps:
+            rows[n] = rows[selected[0]]
         else:
             found[n] = f"computes from rows selected by value ({selected[0].name}) other than row by row"
     return found

@@ -977,16 +977,24 @@ class SelectedRowsMisused(nn.Module):
         elif self.how == "sequence_major":  # a mask over tokens in sequence order, used on tokens in sample order
             mask = self.gate(x.transpose(0, 1).reshape(-1, d)).argmax(-1) == 0
             out = out.index_put((mask,), self.expert(h[mask]))
+        elif self.how == "other_positions":  # rows taken in (seq, batch) order, put back in (batch, seq) order
+            seq, sample = torch.where(mask.view(b, t).t())
+            return x + torch.zeros_like(x).index_put(torch.where(mask.view(b, t)), self.expert(x[sample, seq]))
+        elif self.how == "other_mask":  # rows of a larger mask put back where a smaller one selects
+            out = out.masked_scatter(mask[:, None].expand_as(out), self.expert(h[mask | (self.gate(h).argmax(-1) == 1)]))
+        elif self.how == "stacked":  # tokens stacked batch after batch (seq-major) read back as (batch, seq)
+            return x + self.expert(torch.cat(x.unbind(1), 0)).view(b, t, d)
         return x + out.view(b, t, d)
 
 
 @pytest.mark.parametrize("route", ["auto", "export"])
 @pytest.mark.parametrize("how", ["mean", "sort", "capacity", "buffer", "unique", "loss", "previous_row", "table", "convolution", "count",
-                                 "masked_scatter", "first_row", "scatter_whole", "softmin", "sequence_major"])
+                                 "masked_scatter", "first_row", "scatter_whole", "softmin", "sequence_major", "other_positions", "other_mask", "stacked"])
 def test_rows_selected_by_value_computed_with_across_samples_are_refused_naming_the_op(how, route):
     """From "previous_row" on, each went through a version of the rules, wrong by 0.7 to 4.6 (two reviews): arithmetic on the positions, a
     parameter they index, a convolution along the rows, their count, masked_scatter or scatter of a whole-batch source, a fixed row of them,
-    a leaf module along them, positions of tokens in sequence order used on tokens in sample order."""
+    a leaf module along them, positions of tokens in sequence order used on tokens in sample order, rows put back at another selection's
+    positions (three reviews); "stacked" went through before any of this (tokens stacked batch after batch by cat, not by a reshape)."""
     x = torch.randn(6, 5, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"is computed from .*, which .*; a micro-batch holds only its own samples") as error:
         autopipe.compile(SelectedRowsMisused(how).double(), devices=2, chunks=3, route=route, example_inputs=(x,))
