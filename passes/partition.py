@@ -482,9 +482,10 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             m = m.args[0]
         return m
 
-    def misreads_index(n: fx.Node, name: str) -> str:
-        if not any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in n.all_input_nodes[1:]):
-            return ""  # no index by value: x[..., None], gather(x, -1, idx)
+    def by_mask(a: fx.Node) -> bool:  # a bool mask of batch rows (x[mask])
+        return a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool
+
+    def misreads_index(n: fx.Node, name: str) -> str:  # n indexes by value: some index is positions or a mask
         got = indexed(n, name)
         if got is None or not isinstance(got[0], fx.Node):
             return "indexes them in a way autopipe cannot follow"
@@ -501,7 +502,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
                     return f"indexes with {i.name}, all positions of a mask at once"
                 origins.add(mask_of(origin.args[0]))  # the mask: nonzero(m) and m select the same rows in the same order
                 mask_dim, target_dim = size(origin.args[0], j), size(target, d)
-            elif i.meta["val"].dtype == torch.bool and i in from_batch:
+            elif by_mask(i):
                 origins.add(mask_of(i))
                 mask_dim, target_dim = size(i, 0), size(target, d)
             else:
@@ -555,7 +556,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             else:
                 found[n] = f"takes a part of the tuple {first.name} of selected rows, which autopipe cannot follow"
             continue
-        by_value = any(a in positions or a in from_batch and getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in ins[1:])
+        by_value = any(a in positions or by_mask(a) for a in ins[1:])  # not x[..., None], gather(x, -1, idx)
         if (name in _SELECTS or name in _PUTS_BACK) and by_value and not (name == "getitem" and isinstance(first.meta.get("val"), (tuple, list))):
             how = misreads_index(n, name)
             if name in _PUTS_BACK:  # what is put: rows the same positions selected, or a value of no sample (out[mask] = 0)

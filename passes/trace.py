@@ -154,6 +154,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
     with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged():
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
+    _bound_data_dependent_sizes(traced)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
                          f"draws once and the graph would keep those numbers for every step and micro-batch. Draw them with torch (torch.rand, "
@@ -223,7 +224,6 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                          f"run it outside the model") from e
     if static_batch is not None:
         _count_rows_per_sample(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
-        _bound_data_dependent_sizes(traced)
         return traced
     try:
         _count_rows_per_sample(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
@@ -233,7 +233,6 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{_source_of(node)}", e))
         message = _explain_failures(model, errors, traced.batch_size)
         raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
-    _bound_data_dependent_sizes(traced)
     return traced
 
 
@@ -600,7 +599,7 @@ def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, 
             n.meta["literals_unknown"] = True  # any may be the batch size
         if _sized_by_values(val) or grown is not None and _sized_by_values(grown[n]):
             n.meta["data_dependent"] = True  # x[mask]: rows of no fixed number a sample; mask.sum().item(): a count over the micro-batch
-            n.meta["batch_number"] = not isinstance(val, torch.Tensor)
+            n.meta["batch_number"] = not isinstance(val, (torch.Tensor, tuple, list))  # torch.where's tuple is no number
             if rows := _selected_rows(val):
                 n.meta["selected_rows"] = rows
         elif isinstance(val, torch.Tensor):
