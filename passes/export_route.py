@@ -1,21 +1,29 @@
 """The torch.export route of the trace pass: non-strict export with one dynamic batch dimension, unlifted to a
 graph of the model's own parameters and buffers in trace.py's flat calling convention, in the model's train/eval
 mode. An unpassed ``use_cache`` is False (no KV cache in training). Export's checks of the example (asserts, range
-constraints, _guards_fn) are dropped: they would pin tensors across cuts. Later nodes get the batch by sym_size."""
+constraints, _guards_fn) are dropped: they would pin tensors across cuts; but for the conditions of branches on tensor values, which a
+second export with real values takes the example's way (BranchesTaken). Later nodes get the batch by sym_size."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import re
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._functorch import config as functorch_config
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from autopipe.random_ops import op_name
-from .trace import TracedModel, flat_root, module_state_kept, specialises_batch, user_frame
+from autopipe.random_ops import is_random_target, op_name
+from .trace import TracedModel, flat_root, module_state_kept, node_where, specialises_batch, user_frame
 
 
 class ExportRouteError(RuntimeError):
@@ -28,6 +36,7 @@ class ExportedGraph(TracedModel):
 
     training: bool = False  # the mode the graph was captured in: dropout and BatchNorm behave as in it
     batch_symbol: Any = None  # sympy symbol of the batch dimension in node.meta["val"]; None when static
+    branches_taken: list[str] = field(default_factory=list)  # branches on values traced the example's way, each checked at run time
 
 
 def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *, dynamic_batch: bool = True) -> ExportedGraph:
@@ -43,25 +52,36 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
                          f"(tensor inputs: {dict(zip(eg.input_names, (tuple(t.shape) for t in tensors)))})")
     dynamic = [b and dynamic_batch for b in is_batch]
     batch = torch.export.Dim("batch", min=1)
-    try:
-        with module_state_kept(model), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The tensor attribute")  # said once, by compile, with what it means here
-            ep = torch.export.export(flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic)), strict=False,
-                                     dynamic_shapes=tuple({0: batch} if d else None for d in dynamic))
-    except Exception as e:
+    root, example = flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic))
+    shapes = tuple({0: batch} if d else None for d in dynamic)
+    with BranchesTaken(model) as branches:
+        try:
+            ep = _exported(model, root, example, shapes)
+        except Exception as e:
+            ep, failure = None, e
+            if _branches_on_values(e) and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
+                with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+                    ep = _exported(model, root, example, shapes)
+    if ep is None:
         hint = (f"\nThe model treats the batch size as a constant (e.g. reshape({batch_size}, ...)), so it cannot "
                 f'run on smaller micro-batches; TORCH_LOGS="+dynamic" shows where it specialised.'
-                if dynamic_batch and specialises_batch(e) else "")
+                if dynamic_batch and specialises_batch(failure) else "")
         how = f"dim 0 of size {batch_size} dynamic" if dynamic_batch else f"static shapes, batch {batch_size}"
         raise ExportRouteError(f"torch.export (non-strict, {how}) failed on {type(model).__name__}"
-                               f"{user_frame(e, model)}: {type(e).__name__}: {e}{hint}") from e
+                               f"{user_frame(failure, model)}: {type(failure).__name__}: {failure}{hint}") from failure
 
     eg.assigned = [a for a in eg.assigned if a not in model._buffers]  # export writes the root's own buffers back (register_buffer_assignment_hook)
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention
     for node in reversed(graph.nodes):
-        if _is_check(node):
+        if branches.guards(node):
+            eg.branches_taken.append(node.meta["branch_taken"])
+            if (draw := _drawn_condition(node)) is not None:
+                raise ExportRouteError(f"{node.meta['branch_taken']}, on a random number ({draw}): one graph holds one way, and a micro-batch that "
+                                       f"draws the other would stop the step. Set its probability to 0 (LayerDrop: config.layerdrop, "
+                                       f"encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
+        elif _is_check(node):
             graph.erase_node(node)
     names, modules = iter(eg.input_names), dict(model.named_modules())
     for node in graph.nodes:
@@ -84,9 +104,111 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         min(node.users, key=order.__getitem__).prepend(node)
     graph.lint()
     gm.recompile()
+    if eg.branches_taken:
+        _example_goes_the_traced_way(gm, example)
     sizes = [n.meta["val"].shape[0] for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d]
     eg.batch_symbol = next((s.node.expr for s in sizes if isinstance(s, torch.SymInt)), None)
     return eg
+
+
+def _drawn_condition(guard: fx.Node) -> str | None:
+    """The random op a branch's condition draws, unless only compared with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``,
+    rand being in [0, 1))."""
+    seen, stack = {guard}, [guard]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    for draw in (a for a in seen if a.op == "call_function" and is_random_target(a.target)):
+        certain = op_name(draw.target) == "rand" and all(
+            op_name(u.target) in ("lt", "ge") and u.args[0] is draw and isinstance(u.args[1], (int, float)) and not 0 < u.args[1] < 1
+            for u in draw.users if u in seen)
+        if not certain:
+            return node_where(draw)
+    return None
+
+
+def _example_goes_the_traced_way(gm: fx.GraphModule, example: tuple[torch.Tensor, ...]) -> None:
+    """Runs the graph on the example itself: export's real values misread some conditions (torch 2.13 reads parameters as other values where they
+    require grad or the batch is dynamic), and a graph its own example goes the other way in would stop every step. (trace puts back the RNG
+    and the buffers this run touches.)"""
+    try:
+        with torch.no_grad():
+            gm(*example)
+    except Exception as e:  # anything else is the pipeline's to meet, as the plain model's
+        if "autopipe: a micro-batch goes the other way" in str(e):
+            raise ExportRouteError(f"torch.export, taking a branch on a tensor's value the example's way, took it the other way: torch reads values "
+                                   f"beside the fake tensors unreliably where they come from parameters ({e}); write the branch without Python control "
+                                   f"flow on tensor values (torch.where, torch.cond)") from e
+
+
+def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ...], shapes: tuple) -> torch.export.ExportedProgram:
+    """torch.export's program; what it prints to stderr is passed on, but for the partial graph of a failed export (export/_trace.py)."""
+    said, graph = io.StringIO(), ""
+    try:
+        with module_state_kept(model), warnings.catch_warnings(), contextlib.redirect_stderr(said):
+            warnings.filterwarnings("ignore", "The tensor attribute")  # said once, by compile, with what it means here
+            return torch.export.export(root, example, strict=False, dynamic_shapes=shapes)
+    except Exception as e:
+        graph = str(e.partial_fx_graph) if getattr(e, "partial_fx_graph", None) is not None else ""
+        raise
+    finally:
+        sys.stderr.write(said.getvalue().replace(graph + "\n", "") if graph else said.getvalue())
+
+
+def _branches_on_values(error: BaseException | None) -> bool:
+    """Did export stop at Python control flow on a tensor's value (``if mask.any():``, ``assert``)?"""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, GuardOnDataDependentSymNode):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class BranchesTaken(logging.Filter):
+    """Export with real tensors beside the fake ones (torch.export.draft_export's mode): a branch on a tensor's value goes the way the example's
+    value goes, and export keeps the condition in the graph as a runtime assert (symbolic_shapes.py, ShapeEnv._evaluate_expr). This filter
+    hears ShapeEnv's warning at each such decision, inside it, so the stack is the model's: where the branch is. The asserts are kept, each
+    micro-batch checking that it goes the way the graph holds (docs/architecture.md, "Branches on values")."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.where = model, {}  # an unbacked symbol (u0) -> (where its branch is, the expression, the value it took)
+        self.logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+
+    def __enter__(self) -> BranchesTaken:
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("propagate_real_tensors evaluate_expr"):
+            return False  # torch's chatter about an export that stops at such a branch, told by its exception
+        expr, value = record.args
+        for symbol in sorted(map(str, expr.free_symbols)):
+            self.where.setdefault(symbol, (user_frame(None, self.model), expr, value))
+        return False  # heard here, told by the guard's message and the plan's note
+
+    def guards(self, node: fx.Node) -> bool:
+        """Is ``node`` a runtime assert of a branch taken here? Then its message says, to a user, which branch and what to do."""
+        if node.op != "call_function" or op_name(node.target) != "_assert_scalar" or len(node.args) < 2:
+            return False
+        symbol = next((u for u in re.findall(r"\bu\d+\b", str(node.args[1])) if u in self.where), None)
+        if symbol is None:
+            return False
+        where, expr, value = self.where[symbol]
+        truth = isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and expr.rhs == 1  # bool(tensor): the .item() of a bool is 1
+        tested = f"the tensor it tests was {value}" if truth else f"{expr} was {value}, {' and '.join(sorted(map(str, expr.free_symbols)))} being what it reads"
+        node.meta["branch_taken"] = f"a branch on a tensor's value{where or ' (source not found)'} was traced the way the example inputs took ({tested})"
+        node.args = (node.args[0], f"autopipe: a micro-batch goes the other way than the compiled graph: {node.meta['branch_taken']}, and a graph "
+                                   f"holds one way. Compile with example inputs that go the way training goes, or write the branch without Python "
+                                   f"control flow on tensor values (torch.where, torch.cond)")
+        return True
 
 
 def _fresh(x: torch.Tensor, twice: bool) -> torch.Tensor:

@@ -199,6 +199,8 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
+    traced.notes += [f"{taken}: each micro-batch checks that it goes that way too, and the step raises where one does not"
+                     for taken in dict.fromkeys(getattr(traced, "branches_taken", ()))]
     traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # at a batch of one, (1, seq) looks cut
     if traced.assigned:
         traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned values but does not store them, "
@@ -641,8 +643,8 @@ def _bound_data_dependent_sizes(traced: TracedModel) -> None:
     found = [n for n in traced.graph_module.graph.nodes if n.meta.get("data_dependent")]
     for n in found:
         n.meta["val"] = pytree.tree_map(_at_largest, n.meta["val"])
-    if found:
-        traced.notes.append(f"sizes that depend on values (boolean-mask rows, nonzero) at {listed([n.name for n in found])}: costed at their largest, and "
+    if sized := [n.name for n in found if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(n.meta["val"]))]:  # not a branch's .item()
+        traced.notes.append(f"sizes that depend on values (boolean-mask rows, nonzero) at {listed(sized)}: costed at their largest, and "
                             f"kept inside one stage; balance='time' measures them")
 
 
@@ -712,11 +714,13 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().partition("\n")[0] or repr(error)
 
 
-def user_frame(error: BaseException, model: torch.nn.Module) -> str:
-    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code, or ""."""
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
-            "<string>", "<eval_with_key")  # torch, this package, the code trace and fx generate
-    frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__) if not frame.f_code.co_filename.startswith(skip)]
+def user_frame(error: BaseException | None, model: torch.nn.Module) -> str:
+    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code, or "";
+    with ``error`` None, of the stack now (export deciding a branch)."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep, os.path.dirname(logging.__file__) + os.sep,
+            "<string>", "<eval_with_key")  # torch, this package, logging (export_route's filter), the code trace and fx generate
+    stack = traceback.walk_tb(error.__traceback__) if error is not None else reversed(list(traceback.walk_stack(None)))
+    frames = [(frame, line) for frame, line in stack if not frame.f_code.co_filename.startswith(skip)]
     if not frames:
         return ""
     frame, line = frames[-1]

@@ -1062,3 +1062,130 @@ def test_a_capacity_count_over_the_batch_is_warned_about():
 
     with pytest.warns(UserWarning, match="scans along the batch dim"):
         autopipe.compile(Capacity().double(), devices=2, chunks=3, example_inputs=(torch.randn(12, 16, dtype=torch.float64),))
+
+
+# -- branches on tensor values ------------------------------------------------------------------------
+
+class BranchOnValues(nn.Module):
+    """Python control flow on a tensor's value, as Hugging Face code writes it: fsmt's ``if not padding_mask.any(): padding_mask = None``,
+    longformer's ``if is_global_attn:``, ibert's assert, LayerDrop's ``if torch.rand([]) < p``; and conditions over the batch that need not agree
+    with the micro-batches'."""
+
+    def __init__(self, how, d=8):
+        super().__init__()
+        self.how, self.embed, self.inner, self.head = how, nn.Embedding(10, d), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, ids):
+        mask = ids.eq(0)
+        h = self.embed(ids)
+        if self.how == "padding":
+            if not mask.any():
+                mask = None
+            if mask is not None:
+                h = h.masked_fill(mask[..., None], 0.0)
+        elif self.how == "assert":
+            assert (ids >= 0).all(), "negative token ids"
+        elif self.how == "max" and ids.max() > 8:
+            h = h * 2
+        elif self.how == "sum" and mask.sum() > 2:
+            h = h * 2
+        elif self.how.startswith("layerdrop") and torch.rand([]) < float(self.how[len("layerdrop"):]):  # skips the layer at random
+            return self.head(h.mean(1))
+        elif self.how == "parameters" and self.inner.weight.abs().sum() > 0:
+            h = h * 2
+        return self.head(self.inner(h).relu().mean(1))
+
+
+def _padded_ids(rows=8, padded=range(8)):
+    ids = torch.randint(1, 10, (rows, 5), generator=torch.Generator().manual_seed(0))
+    ids[list(padded), -1] = 0
+    return ids
+
+
+@pytest.mark.parametrize("how", ["padding", "assert", "max"])
+def test_a_branch_on_values_is_traced_the_examples_way_and_pipelines_like_the_plain_model(how):
+    """Neither fx nor plain export can trace it; export with real values beside the fake ones (torch.export.draft_export's mode) takes the
+    example's way and keeps the condition as a runtime assert. The plan names the line; the gradients are the plain model's. A condition
+    that reads the batch through any or max alone is exact: no warning."""
+    torch.manual_seed(0)
+    model, ids = BranchOnValues(how).double(), _padded_ids()
+    plain = plain_step(copy.deepcopy(model), (ids,), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning, and torch prints no partial graph of the first export
+        pipe = autopipe.compile(model, devices=2, chunks=4, example_inputs=(ids,))
+    assert pipe.plan.route == "export"
+    assert any(re.search(r"a branch on a tensor's value in module 'BranchOnValues' \(.*test_faithfulness.py:\d+ in forward: (if|elif|assert) ", n)
+               for n in pipe.plan.notes), pipe.plan.notes
+    assert "autopipe: a micro-batch goes the other way" in "".join(s.code for s in pipe.stages)
+    model.zero_grad()
+    flat_loss(pipe(ids)).backward()
+    assert max_relative(grads_of(model), plain) <= 1e-12
+    pipe.close()
+
+
+def test_a_micro_batch_that_goes_the_other_way_stops_the_step_naming_the_branch():
+    model = BranchOnValues("padding").double()
+    pipe = autopipe.compile(model, devices=2, chunks=4, example_inputs=(_padded_ids(),))
+    with pytest.raises(RuntimeError, match=r"(?s)a micro-batch goes the other way.*test_faithfulness.py:\d+ in forward: if not mask.any\(\):.*"
+                                           r"the tensor it tests was True.*stage 0 \(cpu\) on micro-batch 1"):
+        pipe(_padded_ids(padded=[0, 1, 4, 5, 6, 7]))  # micro-batch 1 (rows 2, 3) has no padding
+    torch.manual_seed(0)
+    plain = plain_step(copy.deepcopy(model), (_padded_ids(),), {})
+    model.zero_grad()
+    flat_loss(pipe(_padded_ids())).backward()  # the pipeline runs on after the refused step
+    assert max_relative(grads_of(model), plain) <= 1e-12
+    pipe.close()
+
+
+def test_a_branch_the_micro_batches_may_take_otherwise_than_the_whole_batch_is_warned_about():
+    """A sum over the batch: each micro-batch's sum may be over 2 where the whole batch's is not, or the other way."""
+    for chunks in (4, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = autopipe.compile(BranchOnValues("sum").double(), devices=2, chunks=chunks, example_inputs=(_padded_ids(),))
+        warned = [str(w.message) for w in caught if "a branch on a tensor's value" in str(w.message)]
+        assert len(warned) == (chunks > 1) and all(re.search(r"on a value over the batch \(node sum\w*", w) for w in warned), warned
+        assert pipe.plan.across_micro_batches == [w.removeprefix("autopipe: ") for w in warned]
+
+
+def test_layerdrop_pipelines_at_probability_0_and_is_refused_above_it_naming_the_draw():
+    """A branch on a random number goes either way at random: refused at compile, unless it is compared with a bound rand never crosses."""
+    torch.manual_seed(0)
+    model, ids = BranchOnValues("layerdrop0.0").double(), _padded_ids()
+    plain = plain_step(copy.deepcopy(model), (ids,), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = autopipe.compile(model, devices=2, chunks=4, example_inputs=(ids,))
+    model.zero_grad()
+    flat_loss(pipe(ids)).backward()
+    assert max_relative(grads_of(model), plain) <= 1e-12
+    pipe.close()
+    with pytest.raises(autopipe.TraceError, match=r"(?s)test_faithfulness.py:\d+ in forward: elif self.how.startswith.*on a random number \(node rand, "
+                                                  r".*Set its probability to 0"):
+        autopipe.compile(BranchOnValues("layerdrop0.5").double(), devices=2, chunks=4, example_inputs=(ids,))
+
+
+def test_a_branch_on_values_of_a_model_on_meta_is_refused_naming_the_line():
+    """No real values to take a way by: refused as before, naming the line."""
+    with torch.device("meta"):
+        model = BranchOnValues("padding")
+    with pytest.raises(autopipe.TraceError, match=r"test_faithfulness.py:\d+ in forward: if not mask.any\(\)"):
+        autopipe.plan(model, devices=2, chunks=4, example_inputs=(torch.zeros(8, 5, dtype=torch.long, device="meta"),))
+
+
+def test_a_branch_on_parameters_pipelines_like_the_plain_model_or_is_refused_at_compile():
+    """torch 2.13's export reads parameters' values beside the fake tensors unreliably (a sum of |weight| read as 0): the graph is run on the
+    example at compile, and one its own example goes the other way in is refused there, not at the first step."""
+    torch.manual_seed(0)
+    model, ids = BranchOnValues("parameters").double(), _padded_ids()
+    plain = plain_step(copy.deepcopy(model), (ids,), {})
+    try:
+        pipe = autopipe.compile(model, devices=2, chunks=4, example_inputs=(ids,))
+    except autopipe.TraceError as e:
+        assert re.search(r"took it the other way: torch reads values .* from parameters .*test_faithfulness.py:\d+ in forward: elif self.how == "
+                         r"\"parameters\" and self.inner.weight.abs\(\).sum\(\) > 0", str(e)), str(e)
+        return
+    model.zero_grad()
+    flat_loss(pipe(ids)).backward()
+    assert max_relative(grads_of(model), plain) <= 1e-12
+    pipe.close()

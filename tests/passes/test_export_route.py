@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 
 import pytest
 import torch
@@ -371,8 +372,12 @@ def test_errors_are_clear():
                 return x * 2
             return x
 
+    # on real values it goes the example's way, with the condition kept as a check each micro-batch runs; on meta there are none to go by
+    eg = export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 4)
+    assert eg.branches_taken and re.search(r"test_export_route.py:\d+ in forward: if x.sum\(\) > 0:", eg.branches_taken[0]), eg.branches_taken
+    assert [n for n in eg.graph_module.graph.nodes if n.meta.get("branch_taken")]
     with pytest.raises(ExportRouteError, match=r"test_export_route.py:\d+ in forward"):
-        export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 4)
+        export_flat_graph(DataDependent(), {"x": torch.randn(4, 4, device="meta")}, 4)
 
     with pytest.raises(ValueError, match="batch_size=3"):
         export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 3)
