@@ -59,7 +59,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
             ep = _exported(model, root, example, shapes)
         except Exception as e:
             ep, failure = None, e
-            if _branches_on_values(e) and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
+            if dynamic_batch and _branches_on_values(e) and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
                 with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
                     ep = _exported(model, root, example, shapes)
     if ep is None:
@@ -74,13 +74,12 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention
+    batch = {s.node.expr for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d and isinstance(s := n.meta["val"].shape[0], torch.SymInt)}
     for node in reversed(graph.nodes):
         if branches.guards(node):
             eg.branches_taken.append(node.meta["branch_taken"])
-            if (draw := _drawn_condition(node)) is not None:
-                raise ExportRouteError(f"{node.meta['branch_taken']}, on a random number ({draw}): one graph holds one way, and a micro-batch that "
-                                       f"draws the other would stop the step. Set its probability to 0 (LayerDrop: config.layerdrop, "
-                                       f"encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
+            if (why := _not_one_way(node, batch)) is not None:
+                raise ExportRouteError(f"{node.meta['branch_taken']}, {why}")
         elif _is_check(node):
             graph.erase_node(node)
     names, modules = iter(eg.input_names), dict(model.named_modules())
@@ -106,26 +105,38 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     gm.recompile()
     if eg.branches_taken:
         _example_goes_the_traced_way(gm, example)
-    sizes = [n.meta["val"].shape[0] for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d]
-    eg.batch_symbol = next((s.node.expr for s in sizes if isinstance(s, torch.SymInt)), None)
+    eg.batch_symbol = next(iter(batch), None)
     return eg
 
 
-def _drawn_condition(guard: fx.Node) -> str | None:
-    """The random op a branch's condition draws, unless only compared with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``,
-    rand being in [0, 1))."""
+def _not_one_way(guard: fx.Node, batch: set) -> str | None:
+    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None. Its condition may read the
+    batch through any, all, max or min, whose value over the batch is one micro-batch's, so every micro-batch going the traced way means the
+    whole batch does; through a sum or mean over the batch it need not. A random number goes either way at random, unless rand is compared
+    only with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``; rand is in [0, 1))."""
     seen, stack = {guard}, [guard]
     while stack:
         for a in stack.pop().all_input_nodes:
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
-    for draw in (a for a in seen if a.op == "call_function" and is_random_target(a.target)):
-        certain = op_name(draw.target) == "rand" and all(
-            op_name(u.target) in ("lt", "ge") and u.args[0] is draw and isinstance(u.args[1], (int, float)) and not 0 < u.args[1] < 1
-            for u in draw.users if u in seen)
-        if not certain:
-            return node_where(draw)
+
+    def holds_batch(n: fx.Node) -> bool:
+        val = n.meta.get("val")
+        sizes = val.shape if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+        return any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols & batch for d in sizes)
+
+    for a in (n for n in guard.graph.nodes if n in seen and n.op == "call_function"):
+        if is_random_target(a.target) and not (op_name(a.target) == "rand" and all(
+                op_name(u.target) in ("lt", "ge") and u.args[0] is a and isinstance(u.args[1], (int, float)) and not 0 < u.args[1] < 1
+                for u in a.users if u in seen)):
+            return (f"on a random number ({node_where(a)}): one graph holds one way, and a micro-batch that draws the other would stop the step. "
+                    f"Set its probability to 0 (LayerDrop: config.layerdrop, encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
+        if (not holds_batch(a) and any(map(holds_batch, a.all_input_nodes))
+                and not (op_name(a.target) in ("any", "all", "amax", "amin", "max", "min") and isinstance(a.meta.get("val"), torch.Tensor))):
+            return (f"on a value over the batch ({node_where(a)}): each micro-batch would check it over its own samples, and all of them going one "
+                    f"way need not mean the whole batch does (as for any, all, max or min); compute it outside the model, or write the branch "
+                    f"without Python control flow on tensor values (torch.where, torch.cond)")
     return None
 
 

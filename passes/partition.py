@@ -194,8 +194,7 @@ def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, ba
         chunks=chunks, balance=balance if isinstance(balance, str) else f"shares {list(balance)}", route=costed.traced.route,
         lower_bound=max(sum(weights) / n_stages, max(weights, default=0.0)), optimum=optimum, tolerance=tolerance,
         shared_params={p: tuple(sorted(st)) for p, st in param_stages.items() if len(st) > 1 and _is_param(gm, p)},
-        across_micro_batches=_across_micro_batches(gm) + list(dict.fromkeys(
-            note for n in gm.graph.nodes if n.meta.get("branch_taken") for note in _branch_caveats(n))) if chunks > 1 else [])
+        across_micro_batches=_across_micro_batches(gm) if chunks > 1 else [])
 
 
 _LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "kl_div",
@@ -682,30 +681,6 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
     return notes + [f"batch rows ({node_where(user)}) combined with a value over the whole batch ({node_where(s)}): each micro-batch computes it "
                     f"over its own samples, as BatchNorm in training mode does (GPipe sec. 2.2), so values and gradients are not the plain model's; "
                     f"compute it outside the model, or run with chunks=1" for s, user in readers.items()]
-
-
-def _branch_caveats(guard: fx.Node) -> list[str]:
-    """What a branch export traced the example's way (export_route's guard) may get wrong under micro-batches. Each micro-batch checks its own
-    condition; where that reads the batch through any, all, max or min alone, every micro-batch going one way means the whole batch does (the
-    value over the batch is one micro-batch's), but through a sum or mean over the batch it need not (a condition on a random number is
-    export_route's to refuse)."""
-    notes, seen, stack = [], {guard}, [guard]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if rows_per_sample(a):
-                continue
-            if any(rows_per_sample(b) for b in a.all_input_nodes) and not (op_name(a.target) in _SELECTIVE and isinstance(a.meta.get("val"), torch.Tensor)):
-                notes.append(f"{guard.meta['branch_taken']}, on a value over the batch ({node_where(a)}): each micro-batch checks it over its own "
-                             f"samples, and all going that way need not mean the whole batch does (unlike any, all, max or min), so the plain model "
-                             f"may go the other way; compute it outside the model, or run with chunks=1")
-            stack.append(a)
-    return notes
-
-
-_SELECTIVE = frozenset({"any", "all", "amax", "amin", "max", "min"})  # over the batch: one micro-batch's value
 
 
 def _reorders_batch(n: fx.Node) -> bool:

@@ -101,7 +101,7 @@ def test_untraceable_model_names_both_routes_and_the_source_line():
 
         def forward(self, x):
             y = self.fc(x)
-            if torch.rand(()) < 0.5:  # a branch on a random number: a graph holds one way, taken at random
+            if y.sum() > 0:  # data-dependent control flow
                 return y * 2
             return y
 
@@ -111,7 +111,7 @@ def test_untraceable_model_names_both_routes_and_the_source_line():
         autopipe.compile(model, devices=2, example_inputs=(torch.randn(4, 4),))
     text = str(info.value)
     assert "torch.fx.symbolic_trace" in text and "torch.export" in text
-    assert "test_reliability.py" in text and "if torch.rand(()) < 0.5" in text
+    assert "test_reliability.py" in text and "if y.sum() > 0" in text
     assert "What to try" in text
     # compile must not change the model when it fails
     assert model.training and all(torch.equal(before[n], t) for n, t in model.state_dict().items())

@@ -372,12 +372,21 @@ def test_errors_are_clear():
                 return x * 2
             return x
 
-    # on real values it goes the example's way, with the condition kept as a check each micro-batch runs; on meta there are none to go by
-    eg = export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 4)
-    assert eg.branches_taken and re.search(r"test_export_route.py:\d+ in forward: if x.sum\(\) > 0:", eg.branches_taken[0]), eg.branches_taken
-    assert [n for n in eg.graph_module.graph.nodes if n.meta.get("branch_taken")]
+    # a sum over the batch: micro-batches need not go the whole batch's way; on meta there are no values to go by
+    with pytest.raises(ExportRouteError, match=r"test_export_route.py:\d+ in forward: if x.sum\(\) > 0:.*on a value over the batch"):
+        export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 4)
     with pytest.raises(ExportRouteError, match=r"test_export_route.py:\d+ in forward"):
         export_flat_graph(DataDependent(), {"x": torch.randn(4, 4, device="meta")}, 4)
+
+    class ByMax(nn.Module):
+        def forward(self, x):
+            if x.amax() > 0:  # the batch's value is one micro-batch's: traced the example's way, checked on each micro-batch
+                return x * 2
+            return x
+
+    eg = export_flat_graph(ByMax(), {"x": torch.randn(4, 4)}, 4)
+    assert eg.branches_taken and re.search(r"test_export_route.py:\d+ in forward: if x.amax\(\) > 0:", eg.branches_taken[0]), eg.branches_taken
+    assert [n for n in eg.graph_module.graph.nodes if n.meta.get("branch_taken")]
 
     with pytest.raises(ValueError, match="batch_size=3"):
         export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 3)

@@ -125,12 +125,12 @@ def test_static_batch_arguments_are_checked(bad, route, match):
 def test_other_export_failures_are_not_batch_specialisation():
     class DataDependent(nn.Module):
         def forward(self, x):
-            if x.sum() > 0:  # data-dependent control flow: neither fx nor export, with no values to take it by on meta
+            if x.sum() > 0:  # data-dependent control flow: neither fx nor export
                 return x * 2
             return x
 
     with pytest.raises(TraceError) as info:
-        trace(DataDependent(), (torch.ones(4, 3, device="meta"),))
+        trace(DataDependent(), (torch.ones(4, 3),))
     assert not isinstance(info.value, BatchSpecialised)
 
 
@@ -178,7 +178,7 @@ def test_trace_puts_back_what_the_models_python_changed():
 def test_trace_puts_back_global_state_when_it_raises():
     before = snapshot()
     with pytest.raises(TraceError):
-        trace(ChangesDtypeThenFails(), (torch.ones(2, 3, device="meta"),))  # a branch on values with none to take it by
+        trace(ChangesDtypeThenFails(), (torch.ones(2, 3),))
     assert torch.get_default_dtype() == torch.float32
     assert differences(before, snapshot()) == []
 
