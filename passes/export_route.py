@@ -58,7 +58,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         try:
             ep = _exported(model, root, example, shapes)
         except Exception as e:
-            ep, failure = None, e
+            ep, failure, branches.retried = None, e, True
             if dynamic_batch and _branches_on_values(e) and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
                 with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
                     ep = _exported(model, root, example, shapes)
@@ -82,6 +82,12 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
                 raise ExportRouteError(f"{node.meta['branch_taken']}, {why}")
         elif _is_check(node):
             graph.erase_node(node)
+    unchecked = sorted(set(branches.where) - branches.checked)
+    if unchecked or branches.retried and not branches.where:  # a way taken that no check holds to, or not heard (another torch's log): never silently
+        where = branches.where[unchecked[0]][0] if unchecked else ""
+        raise ExportRouteError(f"torch.export took a branch on a tensor's value{where} the example's way but autopipe found no check of it in the "
+                               f"graph, so a micro-batch could go the other way unseen; write the branch without Python control flow on tensor values "
+                               f"(torch.where, torch.cond)")
     names, modules = iter(eg.input_names), dict(model.named_modules())
     for node in graph.nodes:
         if "nn_module_stack" in node.meta:  # the model's modules only, not export's entries for hooks
@@ -188,6 +194,8 @@ class BranchesTaken(logging.Filter):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model, self.where = model, {}  # an unbacked symbol (u0) -> (where its branch is, the expression, the value it took)
+        self.checked: set[str] = set()  # the symbols a kept assert checks
+        self.retried = False  # exported again with real values
         self.logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
 
     def __enter__(self) -> BranchesTaken:
@@ -209,10 +217,11 @@ class BranchesTaken(logging.Filter):
         """Is ``node`` a runtime assert of a branch taken here? Then its message says, to a user, which branch and what to do."""
         if node.op != "call_function" or op_name(node.target) != "_assert_scalar" or len(node.args) < 2:
             return False
-        symbol = next((u for u in re.findall(r"\bu\d+\b", str(node.args[1])) if u in self.where), None)
-        if symbol is None:
+        symbols = [u for u in re.findall(r"\bu\d+\b", str(node.args[1])) if u in self.where]
+        if not symbols:
             return False
-        where, expr, value = self.where[symbol]
+        self.checked.update(symbols)
+        where, expr, value = self.where[symbols[0]]
         truth = isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and expr.rhs == 1  # bool(tensor): the .item() of a bool is 1
         tested = f"the tensor it tests was {value}" if truth else f"{expr} was {value}, {' and '.join(sorted(map(str, expr.free_symbols)))} being what it reads"
         node.meta["branch_taken"] = f"a branch on a tensor's value{where or ' (source not found)'} was traced the way the example inputs took ({tested})"

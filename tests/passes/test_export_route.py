@@ -392,6 +392,22 @@ def test_errors_are_clear():
         export_flat_graph(DataDependent(), {"x": torch.randn(4, 4)}, 3)
 
 
+def test_a_branch_taken_with_no_check_heard_is_refused_not_specialised(monkeypatch):
+    """Where autopipe does not hear export decide a branch (another torch's log wording), no check would be kept: refused, never a graph
+    silently holding one way."""
+    export_route = inspect.getmodule(export_flat_graph)
+
+    class ByMax(nn.Module):
+        def forward(self, x):
+            if x.amax() > 0:
+                return x * 2
+            return x
+
+    monkeypatch.setattr(export_route.BranchesTaken, "filter", lambda self, record: False)
+    with pytest.raises(ExportRouteError, match="found no check of it"):
+        export_flat_graph(ByMax(), {"x": torch.randn(4, 4)}, 4)
+
+
 def test_meta_device_model_exports_without_memory():
     with torch.device("meta"):
         model, _ = _gpt2()
