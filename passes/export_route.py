@@ -18,6 +18,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch._functorch import config as functorch_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -116,10 +117,11 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
 
 
 def _not_one_way(guard: fx.Node, batch: set) -> str | None:
-    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None. Its condition may read the
-    batch through any, all, max or min, whose value over the batch is one micro-batch's, so every micro-batch going the traced way means the
-    whole batch does; through a sum or mean over the batch it need not. A random number goes either way at random, unless rand is compared
-    only with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``; rand is in [0, 1))."""
+    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None. Its condition may read
+    the batch through one any, all, max or min to a single number, whose value over the batch is one micro-batch's, so every micro-batch going
+    the traced way means the whole batch does; through a sum or mean over the batch, or two such values (from two micro-batches), it need
+    not. A random number goes either way at random, unless rand is compared only with a bound it never crosses (LayerDrop at 0:
+    ``torch.rand([]) < 0.0``; rand is in [0, 1))."""
     seen, stack = {guard}, [guard]
     while stack:
         for a in stack.pop().all_input_nodes:
@@ -128,21 +130,25 @@ def _not_one_way(guard: fx.Node, batch: set) -> str | None:
                 stack.append(a)
 
     def holds_batch(n: fx.Node) -> bool:
-        val = n.meta.get("val")
-        sizes = val.shape if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+        sizes = [d for v in pytree.tree_leaves(n.meta.get("val")) for d in (v.shape if isinstance(v, torch.Tensor) else [v])]
         return any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols & batch for d in sizes)
 
+    reductions = []  # where the condition reads the batch: values over it made from batch rows
     for a in (n for n in guard.graph.nodes if n in seen and n.op == "call_function"):
         if is_random_target(a.target) and not (op_name(a.target) == "rand" and all(
                 op_name(u.target) in ("lt", "ge") and u.args[0] is a and isinstance(u.args[1], (int, float)) and not 0 < u.args[1] < 1
                 for u in a.users if u in seen)):
             return (f"on a random number ({node_where(a)}): one graph holds one way, and a micro-batch that draws the other would stop the step. "
                     f"Set its probability to 0 (LayerDrop: config.layerdrop, encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
-        if (not holds_batch(a) and any(map(holds_batch, a.all_input_nodes))
-                and not (op_name(a.target) in ("any", "all", "amax", "amin", "max", "min") and isinstance(a.meta.get("val"), torch.Tensor))):
-            return (f"on a value over the batch ({node_where(a)}): each micro-batch would check it over its own samples, and all of them going one "
-                    f"way need not mean the whole batch does (as for any, all, max or min); compute it outside the model, or write the branch "
-                    f"without Python control flow on tensor values (torch.where, torch.cond)")
+        if not holds_batch(a) and any(map(holds_batch, a.all_input_nodes)):
+            reductions.append(a)
+    selective = all(op_name(a.target) in ("any", "all", "amax", "amin", "max", "min") and isinstance(v := a.meta.get("val"), torch.Tensor)
+                    and v.numel() == 1 for a in reductions)  # x.amax(0) is a vector whose entries may come from several micro-batches
+    if len(reductions) > 1 or not selective:  # x.max() > y.min(): each micro-batch's pair is its own, the whole batch's pair from two
+        return (f"on {'values' if len(reductions) > 1 else 'a value'} over the batch ({'; '.join(map(node_where, reductions))}): each micro-batch "
+                f"would check {'them' if len(reductions) > 1 else 'it'} over its own samples, and all of them going one way need not mean the whole "
+                f"batch does (as it does for one any, all, max or min); compute it outside the model, or write the branch without Python control "
+                f"flow on tensor values (torch.where, torch.cond)")
     return None
 
 

@@ -659,7 +659,10 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
         if function and _reorders_batch(n):
             notes.append(f"{node_where(n)} moves rows along the batch dim: each micro-batch moves only its own rows, so values "
                          f"and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
-        if function and _scans_batch(n):
+        if function and _along_batch(n, ("softmax", "log_softmax", "_softmax", "_log_softmax", "softmin", "sort", "argsort")):
+            notes.append(f"{node_where(n)} normalises or sorts along the batch dim (softmax(x, dim=0)): each micro-batch does it over only its "
+                         f"own rows, so values and gradients are not the plain model's; compute it outside the model, or run with chunks=1")
+        if function and _along_batch(n, ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")):
             notes.append(f"{node_where(n)} scans along the batch dim (a running count over several samples' rows, as capacity-limited routing "
                          f"keeps the first rows an expert gets): each micro-batch scans only its own rows, so values and gradients are not the "
                          f"plain model's; compute it outside the model, or run with chunks=1")
@@ -699,10 +702,10 @@ def _reorders_batch(n: fx.Node) -> bool:
     return any(isinstance(d, int) and d % ndim == 0 for d in ([dims] if isinstance(dims, int) else dims))
 
 
-def _scans_batch(n: fx.Node) -> bool:
-    """``torch.cumsum`` and its kin along dim 0 of batch rows."""
+def _along_batch(n: fx.Node, ops: tuple[str, ...]) -> bool:
+    """One of ``ops`` (cumsum, softmax, ...) along dim 0 of batch rows."""
     source = n.args[0] if n.args else None
-    if op_name(n.target) not in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp") or not rows_per_sample(source):
+    if op_name(n.target) not in ops or not rows_per_sample(source):
         return False
     dim = (bind(n.target, n.args, n.kwargs) or {}).get("dim")
     return isinstance(dim, int) and dim % max(source.meta["val"].dim(), 1) == 0

@@ -818,6 +818,7 @@ ACROSS_THE_BATCH = {  # how the rows depend on other micro-batches -> the node c
     "centred through a layer": (CentredThroughALayer(), "mean"),
     "whitened by the batch covariance": (lambda h: h @ (h.T @ h / h.shape[0]), "matmul"),
     "paired with the next sample": (lambda h: h * h.roll(1, 0), "roll"),
+    "normalised over the batch": (lambda h: h.softmax(0), "softmax"),
     "scaled by the batch size": (lambda h: h * h.shape[0], "mul"),
 }
 
@@ -1089,6 +1090,10 @@ class BranchOnValues(nn.Module):
             h = h * 2
         elif self.how == "sum" and mask.sum() > 2:
             h = h * 2
+        elif self.how == "two" and h.amax() > 4 * h.amin().abs():
+            h = h * 2
+        elif self.how == "columns" and (ids > 5).any(0).all():  # each column's any may come from another micro-batch
+            h = h * 2
         elif self.how.startswith("layerdrop") and torch.rand([]) < float(self.how[len("layerdrop"):]):  # skips the layer at random
             return self.head(h.mean(1))
         elif self.how == "parameters" and self.inner.weight.abs().sum() > 0:
@@ -1137,11 +1142,14 @@ def test_a_micro_batch_that_goes_the_other_way_stops_the_step_naming_the_branch(
     pipe.close()
 
 
-def test_a_branch_on_a_sum_over_the_batch_is_refused_naming_it():
-    """Each micro-batch's count of padding may be over 2 where the whole batch's is not, or the other way: no graph is right for both."""
-    with pytest.raises(autopipe.TraceError, match=r"(?s)test_faithfulness.py:\d+ in forward: elif self.how == \"sum\".*on a value over the batch "
-                                                  r"\(node sum\w*, .*: elif self.how == \"sum\" and mask.sum\(\) > 2:"):
-        autopipe.compile(BranchOnValues("sum").double(), devices=2, chunks=4, example_inputs=(_padded_ids(),))
+@pytest.mark.parametrize("how, said", [("sum", r"on a value over the batch \(node sum\w*, .*: elif self.how == \"sum\" and mask.sum\(\) > 2:"),
+                                       ("two", r"on values over the batch \(node amax\w*, .*; node amin\w*, "),
+                                       ("columns", r"on a value over the batch \(node any\w*, ")])
+def test_a_branch_on_a_sum_over_the_batch_or_on_two_values_over_it_is_refused_naming_them(how, said):
+    """Each micro-batch's count of padding may be over 2 where the whole batch's is not, or the other way; the whole batch's max and min may
+    come from two micro-batches, none of which has that pair: no graph is right for both."""
+    with pytest.raises(autopipe.TraceError, match=rf"(?s)test_faithfulness.py:\d+ in forward: elif self.how == \"{how}\".*{said}"):
+        autopipe.compile(BranchOnValues(how).double(), devices=2, chunks=4, example_inputs=(_padded_ids(),))
 
 
 def test_layerdrop_pipelines_at_probability_0_and_is_refused_above_it_naming_the_draw():
