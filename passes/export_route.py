@@ -24,7 +24,7 @@ from torch._functorch import config as functorch_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopipe.random_ops import is_random_target, op_name
-from .trace import TracedModel, flat_root, module_state_kept, node_where, specialises_batch, user_frame
+from .trace import TracedModel, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
 
 
 class ExportRouteError(RuntimeError):
@@ -60,7 +60,8 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
             ep = _exported(model, root, example, shapes)
         except Exception as e:
             ep, failure, branches.retried = None, e, True
-            if dynamic_batch and _branches_on_values(e) and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
+            on_values = any(isinstance(c, GuardOnDataDependentSymNode) for c in causes(e))  # if mask.any(): a branch on a tensor's value
+            if dynamic_batch and on_values and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
                 with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
                     ep = _exported(model, root, example, shapes)
     if ep is None:
@@ -178,17 +179,6 @@ def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ..
         raise
     finally:
         sys.stderr.write(said.getvalue().replace(graph + "\n", "") if graph else said.getvalue())
-
-
-def _branches_on_values(error: BaseException | None) -> bool:
-    """Did export stop at Python control flow on a tensor's value (``if mask.any():``, ``assert``)?"""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, GuardOnDataDependentSymNode):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 class BranchesTaken(logging.Filter):

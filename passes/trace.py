@@ -267,14 +267,18 @@ def specialises_batch(error: BaseException | None) -> bool:
     from torch._dynamo.exc import UserErrorType
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
-    seen, violation = set(), UserErrorType.CONSTRAINT_VIOLATION
+    violation = UserErrorType.CONSTRAINT_VIOLATION
+    return any(isinstance(e, ConstraintViolationError) or getattr(e, "error_type", None) is violation
+               or "Constraints violated" in _first_line(e) and "batch" in str(e) for e in causes(error))
+
+
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from or while handling, innermost last."""
+    seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        typed = isinstance(error, ConstraintViolationError) or getattr(error, "error_type", None) is violation
-        if typed or "Constraints violated" in _first_line(error) and "batch" in str(error):
-            return True
+        yield error
         error = error.__cause__ or error.__context__
-    return False
 
 
 def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Module:
