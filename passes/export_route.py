@@ -55,11 +55,12 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     batch = torch.export.Dim("batch", min=1)
     root, example = flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic))
     shapes = tuple({0: batch} if d else None for d in dynamic)
+    retried = False  # exported a second time, with real values
     with BranchesTaken(model) as branches:
         try:
             ep = _exported(model, root, example, shapes)
         except Exception as e:
-            ep, failure, branches.retried = None, e, True
+            ep, failure, retried = None, e, True
             on_values = any(isinstance(c, GuardOnDataDependentSymNode) for c in causes(e))  # if mask.any(): a branch on a tensor's value
             if dynamic_batch and on_values and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
                 with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
@@ -85,7 +86,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         elif _is_check(node):
             graph.erase_node(node)
     unchecked = sorted(set(branches.where) - branches.checked)
-    if unchecked or branches.retried and not branches.where:  # a way taken that no check holds to, or not heard (another torch's log): never silently
+    if unchecked or retried and not branches.where:  # a way taken that no check holds to, or not heard (another torch's log): never silently
         where = branches.where[unchecked[0]][0] if unchecked else ""
         raise ExportRouteError(f"torch.export took a branch on a tensor's value{where} the example's way but autopipe found no check of it in the "
                                f"graph, so a micro-batch could go the other way unseen; write the branch without Python control flow on tensor values "
@@ -161,7 +162,7 @@ def _example_goes_the_traced_way(gm: fx.GraphModule, example: tuple[torch.Tensor
         with torch.no_grad():
             gm(*example)
     except Exception as e:  # anything else is the pipeline's to meet, as the plain model's
-        if "autopipe: a micro-batch goes the other way" in str(e):
+        if _OTHER_WAY in str(e):
             raise ExportRouteError(f"torch.export, taking a branch on a tensor's value the example's way, took it the other way: torch reads values "
                                    f"beside the fake tensors unreliably where they come from parameters ({e}); write the branch without Python control "
                                    f"flow on tensor values (torch.where, torch.cond)") from e
@@ -181,6 +182,9 @@ def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ..
         sys.stderr.write(said.getvalue().replace(graph + "\n", "") if graph else said.getvalue())
 
 
+_OTHER_WAY = "autopipe: a micro-batch goes the other way"  # how a kept check's message starts
+
+
 class BranchesTaken(logging.Filter):
     """Export with real tensors beside the fake ones (torch.export.draft_export's mode): a branch on a tensor's value goes the way the example's
     value goes, and export keeps the condition in the graph as a runtime assert (symbolic_shapes.py, ShapeEnv._evaluate_expr). This filter
@@ -191,7 +195,6 @@ class BranchesTaken(logging.Filter):
         super().__init__()
         self.model, self.where = model, {}  # an unbacked symbol (u0) -> (where its branch is, the expression, the value it took)
         self.checked: set[str] = set()  # the symbols a kept assert checks
-        self.retried = False  # exported again with real values
         self.logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
 
     def __enter__(self) -> BranchesTaken:
@@ -221,7 +224,7 @@ class BranchesTaken(logging.Filter):
         truth = isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and expr.rhs == 1  # bool(tensor): the .item() of a bool is 1
         tested = f"the tensor it tests was {value}" if truth else f"{expr} was {value}, {' and '.join(sorted(map(str, expr.free_symbols)))} being what it reads"
         node.meta["branch_taken"] = f"a branch on a tensor's value{where or ' (source not found)'} was traced the way the example inputs took ({tested})"
-        node.args = (node.args[0], f"autopipe: a micro-batch goes the other way than the compiled graph: {node.meta['branch_taken']}, and a graph "
+        node.args = (node.args[0], f"{_OTHER_WAY} than the compiled graph: {node.meta['branch_taken']}, and a graph "
                                    f"holds one way. Compile with example inputs that go the way training goes, or write the branch without Python "
                                    f"control flow on tensor values (torch.where, torch.cond)")
         return True
