@@ -124,6 +124,7 @@ class DistributedPipeline(torch.nn.Module):
             stage.load_state_dict({k: state_dict[k] for k in stage.state_dict() if k in state_dict}, strict=strict, assign=assign)
 
     train = Pipeline.train  # the model's own mode
+    _apply = Pipeline._apply  # pipe.to()/.cuda()/.half(): placement is the plan's, refused as in-process
 
     def __repr__(self) -> str:
         return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, replica {self.replica} of "

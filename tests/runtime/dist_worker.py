@@ -242,8 +242,14 @@ def main():
         mine = [n for n, p in pipe.named_parameters()]
         ids, target = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
         loss = pipe.step(ids, target=target, loss_fn=lm_loss)
-        torch.save({"on_meta": on_meta, "mine": mine, "loss": None if loss is None else loss.item(),
-                    "state": pipe.state_dict(), "batch": (ids, target)}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+        try:
+            pipe.to(torch.float64)
+            moved = "moved"
+        except RuntimeError as e:
+            moved = str(e)
+        torch.save({"on_meta": on_meta, "mine": mine, "loss": None if loss is None else loss.item(), "moved": moved,
+                    "dtypes": {p.dtype for p in pipe.parameters()}, "state": pipe.state_dict(), "batch": (ids, target)},
+                   os.path.join(OUT_DIR, f"rank{rank}.pt"))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     import torch.distributed as dist

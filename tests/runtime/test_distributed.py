@@ -199,3 +199,5 @@ def test_meta_model_materialises_only_this_ranks_parameters(tmp_path):
     (ids, _), (_, target) = results[0]["batch"], results[1]["batch"]
     assert results[0]["loss"] is None  # the loss is on the last rank
     assert results[1]["loss"] == pytest.approx(lm_loss(plain(ids), target).item(), rel=1e-5)
+    for r in results:  # pipe.to() is refused, as in-process: it would move this rank's stages only, not the plan
+        assert "placement" in r["moved"] and r["dtypes"] == {torch.float32}
