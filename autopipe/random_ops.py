@@ -58,6 +58,12 @@ def is_random_target(target: Any) -> bool:
     return op_name(target).strip("_") in RANDOM_OPS or "dropout" in op_name(target)
 
 
+def from_torch(target: Any) -> bool:
+    """Defined by torch itself (not torchvision, whose fx-wrapped stochastic_depth draws unseen by fx)."""
+    module = getattr(target, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
+
+
 def module_draws(module: nn.Module) -> bool:
     """Whether calling ``module`` draws, in its modules' train/eval modes and with their probabilities."""
     return any(not type(m).__module__.startswith("torch.nn")  # code fx did not look into

@@ -157,8 +157,8 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
     if node.op not in ("call_function", "call_method"):
         return None
     target = random_ops.resolve(node.target, node.args, node.kwargs)
-    if isinstance(target, types.FunctionType) and not (target.__module__ or "").startswith(("torch", "autopipe")):
-        return "wrap", target, {}  # a user's function fx did not look into (fx.wrap)
+    if isinstance(target, types.FunctionType) and not random_ops.from_torch(target) and not (target.__module__ or "").startswith("autopipe"):
+        return "wrap", target, {}  # a function fx did not look into (fx.wrap: torchvision's stochastic_depth, a user's)
     if isinstance(target, HigherOrderOperator):  # export's no_grad / autocast regions: subgraphs
         subgraphs = [operator.attrgetter(a.target)(gm) for a in node.all_input_nodes if a.op == "get_attr"]
         draws = any(_route(n, sub, sp) for sub in subgraphs if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes)

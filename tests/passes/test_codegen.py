@@ -247,6 +247,33 @@ def test_wrapped_user_function_runs_under_call_with_generator():
     assert torch.equal(a, b)
 
 
+def stochastic_depth(h, p, training):
+    """torchvision.ops.stochastic_depth as torchvision writes it: fx.wrap'ed, in a module whose name begins with "torch"."""
+    if not training or p == 0.0:
+        return h
+    noise = torch.empty([h.shape[0]] + [1] * (h.ndim - 1), dtype=h.dtype, device=h.device).bernoulli_(1 - p)
+    return h * noise.div_(1 - p)
+
+
+stochastic_depth.__module__ = "torchvision.ops.stochastic_depth"
+torch.fx.wrap("stochastic_depth")
+
+
+def test_a_wrapped_function_of_a_library_named_torch_something_draws_from_the_generator():
+    """ConvNeXt's and EfficientNet's stochastic depth drew from the global generator: a recomputed stage trained on other masks."""
+    model = Op(lambda h: stochastic_depth(h, 0.5, True)).train()
+    x = torch.randn(64, 6)
+    _, _, (stage,) = build(model, (x,))
+    assert "call_with_generator(stochastic_depth_fn, generator, inp, 0.5, True)" in stage.code
+    torch.manual_seed(0)
+    first = stage(x, generator=torch.Generator().manual_seed(1))[0]
+    marker = torch.rand(2)
+    again = stage(x, generator=torch.Generator().manual_seed(1))[0]
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(2), marker) and torch.equal(first, again)
+    assert not torch.equal(first, stage(x, generator=torch.Generator().manual_seed(2))[0])
+
+
 class ContextRegions(nn.Module):
     """torch.export captures no_grad and autocast regions as higher-order ops around subgraphs."""
 
