@@ -64,6 +64,27 @@ def from_torch(target: Any) -> bool:
     return module == "torch" or module.startswith("torch.")
 
 
+class _Draws(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags and draws(bind(func, args, kwargs) or {})
+        return func(*args, **kwargs)
+
+
+def draws_when_called(fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether ``fn`` draws when called on these (fake) values; True where it cannot run on them (it may)."""
+    try:
+        with torch.no_grad(), _Draws() as seen:
+            fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        return True
+    return seen.seen
+
+
 def module_draws(module: nn.Module) -> bool:
     """Whether calling ``module`` draws, in its modules' train/eval modes and with their probabilities."""
     return any(not type(m).__module__.startswith("torch.nn")  # code fx did not look into

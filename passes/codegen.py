@@ -19,6 +19,7 @@ from torch._ops import HigherOrderOperator, OpOverload
 import autopipe.random_ops as random_ops
 from autopipe.plan import Plan, StagePlan
 
+from .autograd_functions import FunctionCall
 from .trace import node_where
 
 
@@ -156,6 +157,9 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
         return ("wrap", node.target, {}) if random_ops.module_draws(module) else None
     if node.op not in ("call_function", "call_method"):
         return None
+    if isinstance(node.target, FunctionCall):  # a custom autograd.Function: its forward's draws, where it makes any
+        values = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        return ("wrap", node.target, {}) if random_ops.draws_when_called(node.target, *values) else None
     target = random_ops.resolve(node.target, node.args, node.kwargs)
     if isinstance(target, types.FunctionType) and not random_ops.from_torch(target) and not (target.__module__ or "").startswith("autopipe"):
         return "wrap", target, {}  # a function fx did not look into (fx.wrap: torchvision's stochastic_depth, a user's)

@@ -24,6 +24,7 @@ from torch._functorch import config as functorch_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopipe.random_ops import is_random_target, op_name
+from .autograd_functions import calls_restored, exporting
 from .trace import TracedModel, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
 
 
@@ -56,7 +57,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     root, example = flat_root(model, eg, model), tuple(map(_fresh, tensors, dynamic))
     shapes = tuple({0: batch} if d else None for d in dynamic)
     retried = False  # exported a second time, with real values
-    with BranchesTaken(model) as branches:
+    with BranchesTaken(model) as branches, exporting() as function_calls:
         try:
             ep = _exported(model, root, example, shapes)
         except Exception as e:
@@ -77,6 +78,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention
+    calls_restored(graph, function_calls)
     batch = {s.node.expr for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d and isinstance(s := n.meta["val"].shape[0], torch.SymInt)}
     for node in reversed(graph.nodes):
         if branches.guards(node):

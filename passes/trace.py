@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
 
+from .autograd_functions import kept_whole
+
 
 class TraceError(RuntimeError):
     """Neither fx nor torch.export could capture the model."""
@@ -152,8 +154,11 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         if route == "fx":
             raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
-    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged():
+    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole() as ran_inline:
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
+    if ran_inline:
+        traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of {listed(sorted(set(ran_inline)))} runs inline: the pipeline "
+                            f"re-materialises its stages itself (compile's checkpoint=)")
     _bound_data_dependent_sizes(traced)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "

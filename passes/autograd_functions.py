@@ -1,0 +1,134 @@
+"""Custom autograd.Functions kept whole by the trace pass. Both routes would trace into a Function's forward and drop its backward, so the
+pipeline would differentiate the forward's ops instead: a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's sparsemixer got other
+gradients, silently. fx records a call of the Function; torch.export records an opaque custom op (``autopipe::autograd_function``), which
+export_route swaps for the same call. A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``) runs its function
+inline instead: export traced it under no_grad, and no gradient reached the checkpointed layers; the pipeline re-materialises stages itself.
+docs/architecture.md, "Custom autograd Functions"."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+
+_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
+_PATCH = threading.Lock()
+_tracing: dict[int, list[str]] = {}  # thread ident -> what its trace ran inline (reentrant checkpoints)
+_exporting = threading.local()       # .calls: export_route's calls of the custom op, by number, while it exports
+_TENSOR = object()                   # where a tensor goes among an output's leaves
+
+
+class FunctionCall:
+    """``function.apply`` with the call's other arguments baked in, called with the traced values (tensors; on fx also sizes) in order. With
+    ``flat``, it returns the tensors of the Function's output as a list, as the custom op does on the export route."""
+
+    def __init__(self, function: type, spec: pytree.TreeSpec, leaves: list[Any], slots: list[int], flat: bool = False):
+        self.function, self.spec, self.leaves, self.slots, self.flat = function, spec, leaves, slots, flat
+        self.__name__ = self.__qualname__ = f"{function.__name__}_apply"  # the name fx writes into the stage code
+        self.__module__ = ""  # so that fx makes it a global of the code, never an attribute path into torch
+        self.output: tuple[pytree.TreeSpec, list[Any]] | None = None  # the export route's: the output's structure and non-tensor leaves
+
+    def run(self, *values: Any) -> Any:
+        filled = dict(zip(self.slots, values))
+        args, kwargs = pytree.tree_unflatten([filled.get(i, leaf) for i, leaf in enumerate(self.leaves)], self.spec)
+        return _APPLY.__func__(self.function, *args, **kwargs)
+
+    def __call__(self, *values: Any) -> Any:
+        output = self.run(*values)
+        return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)] if self.flat else output
+
+    def __repr__(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}.apply"
+
+
+def _recorded_call(tensors: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+    """Export's record of one Function call: the forward on (fake or real) values; its structure is kept for the traced Python."""
+    function = _exporting.calls[call]
+    versions = [t._version for t in tensors]
+    with torch.no_grad():
+        output = function.run(*tensors)
+    if [t._version for t in tensors] != versions:
+        raise TypeError(f"{function!r} writes its input in place (ctx.mark_dirty): autopipe keeps a Function whole only where it returns new tensors")
+    leaves, spec = pytree.tree_flatten(output)
+    function.output = (spec, [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves])
+    return [t.clone() for t in leaves if isinstance(t, torch.Tensor)]  # a custom op's outputs alias nothing
+
+
+torch.library.custom_op("autopipe::autograd_function", mutates_args=())(_recorded_call).register_fake(_recorded_call)
+
+
+def _apply(cls, *args, **kwargs):
+    """Function.apply while a trace runs on this thread: the call kept whole; elsewhere torch's own."""
+    ran_inline = _tracing.get(threading.get_ident())
+    if ran_inline is None:
+        return _APPLY.__func__(cls, *args, **kwargs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    proxies = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Proxy)]
+    if cls is torch.utils.checkpoint.CheckpointFunction and not proxies:  # (run_function, preserve_rng_state, *args); fx refuses its no_grad
+        ran_inline.append(_named(args[0]))
+        # as in the plain model, no gradient reaches the function's parameters where none of its inputs requires grad
+        needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(args[2:]))
+        with contextlib.nullcontext() if needs_grad else torch.no_grad():
+            return args[0](*args[2:])
+    if proxies and cls is not torch.utils.checkpoint.CheckpointFunction:  # fx: one node calling the Function
+        call = FunctionCall(cls, spec, [None if i in proxies else leaf for i, leaf in enumerate(leaves)], proxies)
+        return leaves[proxies[0]].tracer.create_proxy("call_function", call, tuple(leaves[i] for i in proxies), {})
+    calls = getattr(_exporting, "calls", None)
+    if calls is None:  # not inside an export (FakeTensorProp runs the graph's calls through FunctionCall.run)
+        return _APPLY.__func__(cls, *args, **kwargs)
+    if sizes := [leaf for leaf in leaves if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]:
+        raise TypeError(f"{cls.__qualname__}.apply is given {sizes[0]}, a number set by the batch size: autopipe keeps a custom autograd.Function "
+                        f"whole and bakes its non-tensor arguments in; pass such a number as a tensor")
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    call = FunctionCall(cls, spec, [None if i in slots else leaf for i, leaf in enumerate(leaves)], slots, flat=True)
+    calls.append(call)
+    tensors = iter(torch.ops.autopipe.autograd_function([leaves[i] for i in slots], len(calls) - 1))
+    out_spec, out_leaves = call.output
+    return pytree.tree_unflatten([next(tensors) if leaf is _TENSOR else leaf for leaf in out_leaves], out_spec)
+
+
+def _named(function: Any) -> str:
+    """A checkpointed function by its module's class (Hugging Face checkpoints ``partial(layer.__call__, ...)``), else its own name."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    return type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(function, "__qualname__", type(function).__name__)
+
+
+@contextlib.contextmanager
+def kept_whole() -> Iterator[list[str]]:
+    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields the functions run inline)."""
+    ran_inline: list[str] = []
+    with _PATCH:
+        if not _tracing:
+            torch.autograd.Function.apply = classmethod(_apply)
+        _tracing[threading.get_ident()] = ran_inline
+    try:
+        yield ran_inline
+    finally:
+        with _PATCH:
+            del _tracing[threading.get_ident()]
+            if not _tracing:
+                torch.autograd.Function.apply = _APPLY
+
+
+@contextlib.contextmanager
+def exporting() -> Iterator[list[FunctionCall]]:
+    """Around torch.export: each Function call becomes a custom op numbering it in the list yielded (``calls_restored`` reads it back)."""
+    _exporting.calls = calls = []
+    try:
+        yield calls
+    finally:
+        del _exporting.calls
+
+
+def calls_restored(graph: fx.Graph, calls: list[FunctionCall]) -> None:
+    """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call returns a list)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.autopipe.autograd_function.default):
+        tensors, number = node.args
+        node.target, node.args = calls[number], tuple(tensors)
