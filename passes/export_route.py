@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopipe.random_ops import is_random_target, op_name
 from .autograd_functions import calls_restored, exporting
-from .trace import TracedModel, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
+from .trace import TracedModel, backward_hooked, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
 
 
 class ExportRouteError(RuntimeError):
@@ -44,6 +44,10 @@ class ExportedGraph(TracedModel):
 def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *, dynamic_batch: bool = True) -> ExportedGraph:
     """``model`` called with ``bound`` (its forward's bound arguments) as a flat graph. Dim 0 of each tensor with
     ``batch_size`` rows is one dynamic dimension, unless not ``dynamic_batch``. Raises ExportRouteError."""
+    if hooked := backward_hooked(model):
+        raise ExportRouteError(f"module {hooked[0] or type(model).__name__!r} has a backward hook (register_full_backward_hook): torch.export records "
+                               f"the forward alone, and the hook would never run; fx keeps such a module whole (make the model fx-traceable), or "
+                               f"register the hook on a tensor (tensor.register_hook)")
     signature = inspect.signature(model.forward)
     forced = {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in bound else {}
     eg = ExportedGraph.for_call(signature, bound, route="export", batch_size=batch_size, forced_kwargs=forced, training=model.training)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import keyword
@@ -203,7 +204,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         if static_batch is None and specialises_batch(errors[-1][1]):
             raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
-    traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors]
+    traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors] + traced.notes
     traced.notes += [f"{taken}: each micro-batch checks that it goes that way too, and the step raises where one does not"
                      for taken in dict.fromkeys(getattr(traced, "branches_taken", ()))]
     traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # at a batch of one, (1, seq) looks cut
@@ -306,20 +307,33 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
     return root
 
 
+def backward_hooked(model: torch.nn.Module) -> list[str]:
+    """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module holds no hook of
+    its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
+    return [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+
+
 def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
-    leaves = tuple(leaf_modules)
+    leaves, hooked = tuple(leaf_modules), backward_hooked(model)
+    if "" in hooked:
+        raise TraceError(f"{type(model).__name__} itself has a backward hook (register_full_backward_hook): the pipeline runs its stages, never the "
+                         f"model as a whole, so the hook would not run; register it on a submodule, or on a tensor (tensor.register_hook)")
 
-    class LeafTracer(fx.Tracer):  # keeps the user's chosen modules (types or qualified names) whole
+    class LeafTracer(fx.Tracer):  # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
         def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
-            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or super().is_leaf_module(m, name)
+            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or name in hooked or \
+                super().is_leaf_module(m, name)
 
-    root = flat_root(model, traced, model.forward)  # fx cannot call the model itself: it is no submodule of root
+    # fx cannot call the model itself (it is no submodule of root): its forward, with its own forward hooks as its __call__ runs them
+    root = flat_root(model, traced, functools.partial(torch.nn.Module._call_impl, model))
     with module_state_kept(model), _what_fx_cannot_record(model) as lost:
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
     if traced.assigned:
         lost.append(f"the forward assigns {', '.join(traced.assigned)}, which fx runs once while tracing")
     if lost:
         raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
+    if hooked:
+        traced.notes.append(f"kept whole for their backward hooks, which run on each micro-batch's gradients: {listed(hooked)}")
     return traced
 
 
