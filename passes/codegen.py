@@ -19,7 +19,7 @@ from torch._ops import HigherOrderOperator, OpOverload
 import autopipe.random_ops as random_ops
 from autopipe.plan import Plan, StagePlan
 
-from .autograd_functions import FunctionCall
+from .custom_gradients import FunctionCall
 from .trace import node_where
 
 
@@ -384,6 +384,11 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
     facts, written = _GraphFacts(stage), []
+    for node in stage.graph.find_nodes(op="call_module"):  # code the graph does not show may write its buffers: spectral_norm's power iteration
+        module = stage.get_submodule(node.target)
+        if any(m._forward_hooks or m._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(m) or not random_ops.from_torch(type(m))
+               for m in module.modules()):
+            written += [b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers(recurse=False)]
     for node, args in facts.writes.items():
         by_norm = node.op != "call_module" and random_ops.op_name(random_ops.resolve(node.target, node.args, node.kwargs)) in _BATCH_NORMS
         for base in (facts.base[a] for a in args):

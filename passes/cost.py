@@ -99,7 +99,9 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
         module = gm.get_submodule(target)
         if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             return 0 if isinstance(module, _CHEAP_MODULES) else None
-        weight, transposed = module.weight, isinstance(module, nn.modules.conv._ConvTransposeNd)
+        # a parametrized weight (spectral_norm's power iteration) is computed, and its buffers written, where it is read: its shape is its original's
+        weight = module.parametrizations.weight.original if nn.utils.parametrize.is_parametrized(module, "weight") else module.weight
+        transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
     elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
         weight = vals[1] if len(vals) > 1 else kwargs["weight"]
         transposed = target in _CONV_TRANSPOSE

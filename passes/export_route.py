@@ -24,8 +24,8 @@ from torch._functorch import config as functorch_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopipe.random_ops import is_random_target, op_name
-from .autograd_functions import calls_restored, exporting
-from .trace import TracedModel, backward_hooked, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
+from .custom_gradients import backward_hooked, calls_restored, exporting
+from .trace import TracedModel, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
 
 
 class ExportRouteError(RuntimeError):

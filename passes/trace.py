@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
 
-from .autograd_functions import kept_whole
+from .custom_gradients import backward_hooked, kept_whole
 
 
 class TraceError(RuntimeError):
@@ -307,12 +307,6 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
     return root
 
 
-def backward_hooked(model: torch.nn.Module) -> list[str]:
-    """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module holds no hook of
-    its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
-    return [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
-
-
 def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
     leaves, hooked = tuple(leaf_modules), backward_hooked(model)
     if "" in hooked:
@@ -342,9 +336,9 @@ _FX_TRACING = threading.Lock()
 
 @contextlib.contextmanager
 def _what_fx_cannot_record(model: torch.nn.Module):
-    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode switches, in-place writes of parameters and
-    buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields the list of what was lost, filled on exit."""
-    tracer_thread, switches, draws, lost = threading.get_ident(), [], [], []
+    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode and autocast switches, in-place writes of
+    parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields the list of what was lost, filled on exit."""
+    tracer_thread, switches, autocasts, draws, lost = threading.get_ident(), [], [], [], []
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 
     def where() -> str:
@@ -356,6 +350,11 @@ def _what_fx_cannot_record(model: torch.nn.Module):
             switches.append(where())
         set_grad_enabled(mode)
 
+    def recording_autocast(*args) -> None:
+        if threading.get_ident() == tracer_thread:
+            autocasts.append(where())
+        set_autocast_enabled(*args)
+
     class RealDraws(TorchDispatchMode):  # ops on proxies never reach the dispatcher: these run for real
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if torch.Tag.nondeterministic_seeded in func.tags and not draws:
@@ -365,17 +364,19 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
                if not t.is_inference()}  # an inference tensor has no version counter
     versions = {name: t._version for name, t in tensors.items()}
-    with _FX_TRACING:  # one patch of torch._C._set_grad_enabled at a time
-        set_grad_enabled = torch._C._set_grad_enabled
-        torch._C._set_grad_enabled = recording
+    with _FX_TRACING:  # one patch of torch._C._set_grad_enabled (and torch.set_autocast_enabled: torch.autocast's switch) at a time
+        set_grad_enabled, set_autocast_enabled = torch._C._set_grad_enabled, torch.set_autocast_enabled
+        torch._C._set_grad_enabled, torch.set_autocast_enabled = recording, recording_autocast
         try:
             with RealDraws():
                 yield lost
         finally:
-            torch._C._set_grad_enabled = set_grad_enabled
+            torch._C._set_grad_enabled, torch.set_autocast_enabled = set_grad_enabled, set_autocast_enabled
     written = [name for name, t in tensors.items() if t._version != versions[name]]
     if switches:
         lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
+    if autocasts:
+        lost.append(f"the forward switches autocast (torch.autocast) at {autocasts[0]}")
     if draws:
         lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw once while tracing and keep as a constant")
     if written:

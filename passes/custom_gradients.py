@@ -1,14 +1,21 @@
-"""Custom autograd.Functions kept whole by the trace pass. Both routes would trace into a Function's forward and drop its backward, so the
-pipeline would differentiate the forward's ops instead: a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's sparsemixer got other
-gradients, silently. fx records a call of the Function; torch.export records an opaque custom op (``autopipe::autograd_function``), which
-export_route swaps for the same call. A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``) runs its function
-inline instead: export traced it under no_grad, and no gradient reached the checkpointed layers; the pipeline re-materialises stages itself.
-docs/architecture.md, "Custom autograd Functions"."""
+"""Gradients a model defines in Python, which a traced graph would drop: the trace pass keeps them or refuses them.
+
+- A custom autograd.Function: both routes traced into its forward and dropped its backward, so the pipeline differentiated the
+  forward's ops instead (a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's sparsemixer: other gradients,
+  silently). fx records a call of the Function; torch.export records an opaque custom op (``autopipe::autograd_function``), which
+  export_route swaps for the same call.
+- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``) runs its function inline: export traced
+  it under no_grad, and no gradient reached the checkpointed layers. The pipeline re-materialises stages itself.
+- A module's backward hook runs where the module is called whole (fx keeps it so; export is refused); a tensor hook registered in the
+  forward (``h.register_hook(f)``) is refused: no graph holds it.
+docs/architecture.md, "Custom gradients"."""
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+import traceback
 from typing import Any, Iterator
 
 import torch
@@ -17,6 +24,8 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
 _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
+_REGISTER_HOOK = torch.Tensor.register_hook
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 _PATCH = threading.Lock()
 _tracing: dict[int, list[str]] = {}  # thread ident -> what its trace ran inline (reentrant checkpoints)
 _exporting = threading.local()       # .calls: export_route's calls of the custom op, by number, while it exports
@@ -100,13 +109,31 @@ def _named(function: Any) -> str:
     return type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(function, "__qualname__", type(function).__name__)
 
 
+def _register_hook(tensor: torch.Tensor, hook: Any):
+    """Tensor.register_hook while a trace runs on this thread: refused where the model's code calls it (torch's own code runs as it does)."""
+    frame = traceback.extract_stack(limit=2)[0]
+    if threading.get_ident() in _tracing and not frame.filename.startswith(_TORCH):
+        raise TypeError(f"the forward registers a gradient hook on a tensor ({frame.filename}:{frame.lineno}: {frame.line}): a traced graph holds no "
+                        f"hook, so the pipeline would never run it; write it as a custom torch.autograd.Function (autopipe keeps those whole), or "
+                        f"register it on a module whole (register_full_backward_hook) on the fx route")
+    return _REGISTER_HOOK(tensor, hook)
+
+
+def backward_hooked(model: torch.nn.Module) -> list[str]:
+    """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module holds no hook of
+    its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
+    return [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+
+
 @contextlib.contextmanager
 def kept_whole() -> Iterator[list[str]]:
-    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields the functions run inline)."""
+    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields the functions run inline), tensor
+    hooks refused."""
     ran_inline: list[str] = []
     with _PATCH:
         if not _tracing:
             torch.autograd.Function.apply = classmethod(_apply)
+            torch.Tensor.register_hook = _register_hook
         _tracing[threading.get_ident()] = ran_inline
     try:
         yield ran_inline
@@ -115,6 +142,7 @@ def kept_whole() -> Iterator[list[str]]:
             del _tracing[threading.get_ident()]
             if not _tracing:
                 torch.autograd.Function.apply = _APPLY
+                torch.Tensor.register_hook = _REGISTER_HOOK
 
 
 @contextlib.contextmanager

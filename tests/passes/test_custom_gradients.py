@@ -1,4 +1,4 @@
-"""passes/autograd_functions.py: a model's custom autograd.Functions keep their backward through both routes (they traced into the
+"""passes/custom_gradients.py: a model's custom autograd.Functions keep their backward through both routes (they traced into the
 forward and dropped it: other gradients, silently), and a reentrant torch.utils.checkpoint inside the model (Hugging Face's
 gradient_checkpointing_enable()) gives the plain model's gradients (export traced it under no_grad: none reached the layers)."""
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import autopipe
+
+REGISTER_HOOK = torch.Tensor.register_hook
 
 
 class GradReverse(torch.autograd.Function):
@@ -243,3 +245,21 @@ def test_functions_of_a_model_run_as_torch_runs_them_once_traced():
     GradReverse.apply(x, 1.0).sum().backward()
     assert torch.equal(x.grad, -torch.ones(3))
     assert F.relu(SqrtClipped.apply(x.detach().abs())).shape == (3,)
+
+
+def test_a_tensor_hook_registered_in_the_forward_is_refused_naming_the_line():
+    """torch.export recorded the forward without it: the hook never ran through the pipeline (1.4 off where it scaled a gradient)."""
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if h.requires_grad:
+                h.register_hook(lambda grad: grad * 3.0)
+            return self.b(h)
+
+    with pytest.raises(autopipe.TraceError, match=r"registers a gradient hook on a tensor \(.*test_custom_gradients.py:\d+: h.register_hook"):
+        autopipe.compile(Hooked(), devices=2, chunks=2, example_inputs=(torch.randn(4, 8),))
+    assert torch.Tensor.register_hook is REGISTER_HOOK  # torch's again
