@@ -87,6 +87,10 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         run = ctx.run
+        if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError("a backward with create_graph=True through the pipeline (a gradient penalty, MAML, a Hessian-vector product) is not "
+                               "supported: the stages' gradients carry no graph of their own, so a second backward would miss them; compute such "
+                               "a term on the plain model")
         if run is None:
             raise RuntimeError("the pipeline's backward can run once per forward; call the pipeline again "
                                "(retain_graph=True is not supported)")

@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import autopipe
 from zoo import GPT, MLP
@@ -210,3 +211,19 @@ def test_a_worker_that_cannot_start_fails_the_step_instead_of_hanging():
     threads = [w._thread for w in pipe.workers]
     pipe.close()
     assert all(t is not None for t in threads) and not any(t.is_alive() for t in threads)  # started, and none left
+
+
+def test_a_backward_that_creates_a_graph_is_refused_and_the_next_step_runs():
+    """create_graph=True (a gradient penalty) got a second-order gradient of nothing: torch's "does not require grad", or the
+    pipeline's "once per forward", neither naming the cause."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    pipe = autopipe.compile(model, devices=2, chunks=2)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True through the pipeline"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True through the pipeline"):
+        torch.autograd.grad(pipe(x).sum(), list(model.parameters()), create_graph=True)
+    (grad,) = torch.autograd.grad(pipe(x).sum(), x)
+    (want,) = torch.autograd.grad(model(x).sum(), x)
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
