@@ -64,7 +64,9 @@ def from_torch(target: Any) -> bool:
     return module == "torch" or module.startswith("torch.")
 
 
-class _Draws(TorchDispatchMode):
+class Draws(TorchDispatchMode):
+    """Sees whether a random kernel draws while it is active (``seen``)."""
+
     def __init__(self):
         super().__init__()
         self.seen = False
@@ -78,11 +80,53 @@ class _Draws(TorchDispatchMode):
 def draws_when_called(fn: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether ``fn`` draws when called on these (fake) values; True where it cannot run on them (it may)."""
     try:
-        with torch.no_grad(), _Draws() as seen:
+        with torch.no_grad(), Draws() as seen:
             fn(*args, **kwargs)
     except Exception:  # noqa: BLE001
         return True
     return seen.seen
+
+
+# a random op -> the value each draw takes (its mean, or one it can take: bernoulli keeps), from its bound arguments
+_FIXED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "bernoulli": lambda b: 1.0, "uniform": lambda b: (b.get("from", 0.0) + b.get("to", 1.0)) / 2, "rand": lambda b: 0.5, "rand_like": lambda b: 0.5,
+    "normal": lambda b: b.get("mean", 0.0), "randn": lambda b: 0.0, "randn_like": lambda b: 0.0, "random": lambda b: b.get("from", 0),
+    "randint": lambda b: b.get("low", 0), "randint_like": lambda b: b.get("low", 0), "exponential": lambda b: 1.0 / b.get("lambd", 1.0),
+    "multinomial": lambda b: 0, "geometric": lambda b: 1, "log_normal": lambda b: math.exp(b.get("mean", 1.0)), "cauchy": lambda b: b.get("median", 0.0)}
+
+
+class FixedDraws(TorchDispatchMode):
+    """Every random kernel's draws take fixed values (dropout keeps everything and scales): a training step of the plain model and one of the
+    pipeline compute the same numbers, whoever draws from which generator (autopipe.verify's train-mode check). A dispatch mode runs the
+    pipeline's tasks inline, on this thread. ``unfixed``: the random kernels it does not know (an LSTM's fused dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unfixed: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        bound = bind(func, args, kwargs) or {} if torch.Tag.nondeterministic_seeded in func.tags else None
+        if bound is None or not draws(bound):
+            return out
+        name = func.overloadpacket.__name__.strip("_")
+        if name == "native_dropout":  # (output, keep-mask)
+            p = bound["p"]
+            return args[0] * (0.0 if p == 1 else 1.0 / (1 - p)), torch.ones_like(args[0], dtype=torch.bool)
+        if name == "rrelu_with_noise":  # a negative input's slope: the middle of [lower, upper]
+            x, noise, slope = args[0], args[1], (bound["lower"] + bound["upper"]) / 2
+            noise.copy_(torch.where(x >= 0, 1.0, slope))
+            return x * noise
+        if name not in _FIXED:
+            self.unfixed.add(str(func))
+            return out
+        value, target = _FIXED[name](bound), args[0] if func._schema.is_mutable else out
+        if isinstance(value, torch.Tensor):
+            target.copy_(value.expand_as(target))
+        else:
+            target.fill_(value)
+        return out
 
 
 def module_draws(module: nn.Module) -> bool:

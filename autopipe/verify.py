@@ -13,7 +13,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 from tabulate import tabulate
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import autopipe.random_ops as random_ops
 from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
@@ -177,14 +179,21 @@ class _Step:  # what one training step computed
     buffers: dict[str, torch.Tensor]
     has_model_loss: bool = False
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameters held by several stages
+    unfixed: set[str] = field(default_factory=set)  # under FixedDraws: the random kernels it left drawing
 
 
-def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int, seed: int = SEED) -> _Step:
+def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int, seed: int = SEED,
+          mode: TorchDispatchMode | None = None) -> _Step:
+    """One training step; ``mode`` (random_ops.FixedDraws, Draws) around the model's forward and backward (a recompute draws), not around
+    the loss's random projections."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    output = forward()
+    around_model = mode if mode is not None else contextlib.nullcontext()
+    with around_model:
+        output = forward()
     loss = loss_fn(output)
-    loss.backward()
+    with around_model:
+        loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return _Step(outputs=[(n, t.detach().clone()) for n, t in _leaves(output)], loss=loss.detach().clone(), grads=grads,
                  buffers={n: b.detach().clone() for n, b in model.named_buffers()}, has_model_loss=_model_loss(output) is not None)
@@ -263,17 +272,18 @@ def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: 
     zero-initialised gain (layer scale, Swin V2's post-norm) hides its dropout from the outputs, not from the gain's gradient."""
     twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
-    results = []
+    results, kernels = [], random_ops.Draws()
     with preserved_global_state(), torch.enable_grad():  # _step sets the seed and one thread
         for seed in (1, 1, 2):
             with torch.no_grad():
                 for buffer, before in buffers:
                     buffer.copy_(before)
             twin.zero_grad(set_to_none=True)
-            step = _step(twin, lambda: twin(*args, **kwargs), loss_fn, threads=1, seed=seed)
+            step = _step(twin, lambda: twin(*args, **kwargs), loss_fn, threads=1, seed=seed, mode=kernels)
             results.append([t for _, t in step.outputs] + list(step.grads.values()))
     same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
-    return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] else RANDOM
+    # a random kernel that draws makes the model random even where two seeds happen to give one result (Phi-MoE's routing samples)
+    return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] and not kernels.seen else RANDOM
 
 
 def _error_text(e: BaseException) -> str:
@@ -326,19 +336,23 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         return pytree.tree_unflatten([merge(c, sizes, facts.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
 
     @functools.cache
-    def run(dtype, how: str, mode: bool | None = None, threads: int | None = None) -> _Step:
-        """One step of a copy: ``how`` is "whole" (the plain model), "loop" (by micro-batch) or a checkpoint mode."""
+    def run(dtype, how: str, mode: bool | None = None, threads: int | None = None, fixed: bool = False) -> _Step:
+        """One step of a copy: ``how`` is "whole" (the plain model), "loop" (by micro-batch) or a checkpoint mode; ``fixed``: every random
+        draw takes a fixed value (random_ops.FixedDraws)."""
         (twin, (a, k)), loss = _copy(model, (args, kwargs), dtype, mode), loss_fn or default_loss
+        draws = random_ops.FixedDraws() if fixed else None
         if how in ("whole", "loop"):
             pieces = [(a, k)] if how == "whole" else split_target((a, k), sizes)
             # each micro-batch's graph keeps the buffers as it saw them, as with a backward per micro-batch
             buffers = {b.untyped_storage().data_ptr() for b in twin.buffers()}
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t, lambda t: t):
-                return _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads)
+                step = _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads, mode=draws)
+            step.unfixed = draws.unfixed if draws is not None else set()
+            return step
         options = {**compile_kwargs, **({"intra_op_threads": threads} if threads else {})}
-        pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, **options)
+        pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, example_inputs=a, example_kwargs=k, **options)
         with contextlib.closing(pipe):
-            step = _step(twin, lambda: pipe(*a, **k), loss, caller_threads)
+            step = _step(twin, lambda: pipe(*a, **k), loss, caller_threads, mode=draws)
             canonical = {id(p): n for n, p in twin.named_parameters()}  # tied weights under these names
             every = dict(twin.named_parameters(remove_duplicate=False))
             step.shared = {canonical[id(every[n])]: tuple(s) for n, s in pipe.plan.shared_params.items() if n in every}
@@ -380,6 +394,14 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}{', 1 thread per worker' if threads else ''}",
                           f"{loop}, {where}, 1 thread", tolerance, notes=["deferred_batch_norm=True: buffers not compared"] if deferred else [])
         report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference, buffers=not deferred))
+        if randomness == RANDOM and training:  # the train-mode code eval mode skips (a checkpoint, a Function used in training only)
+            fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw fixed (dropout keeps "
+                          f"all), {name}", f"{loop}, the same", tolerance, notes=list(structure.notes))
+            report.structure.append(_check(fixed, lambda: run(dtype, checkpoint, True, threads, fixed=True),
+                                           lambda: run(dtype, "loop", True, 1, fixed=True), buffers=not deferred))
+            if unfixed := run(dtype, "loop", True, 1, fixed=True).unfixed if fixed.error is None else ():
+                fixed.tolerance = None
+                fixed.notes.append(f"for information: {', '.join(sorted(unfixed))} drew at random all the same")
         if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
             info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
                                 f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))

@@ -337,3 +337,47 @@ def test_micro_batch_sizes_as_the_pipeline_splits():
     assert micro_batch_sizes(8, 4) == [2, 2, 2, 2]
     assert micro_batch_sizes(7, 4) == [2, 2, 2, 1]
     assert micro_batch_sizes(3, 4) == [1, 1, 1]
+
+
+class CheckpointedInTraining(nn.Module):
+    """Dropout, and blocks under a reentrant checkpoint in training only (as Hugging Face's gradient checkpointing): eval mode skips the
+    code a training step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.2)) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True) if self.training else block(h)
+        return self.head(h)
+
+
+def test_a_random_model_is_also_checked_in_train_mode_with_its_draws_fixed(monkeypatch):
+    """verify compared a model with dropout in eval mode only, and replayed the pipeline against itself: a pipeline that lost every gradient
+    through a reentrant checkpoint (as it did) passed. With every random draw fixed (random_ops.FixedDraws), a training step of the plain
+    model and the pipeline compute the same numbers."""
+    import threading
+
+    import autopipe.passes.custom_gradients as custom_gradients
+    torch.manual_seed(0)
+    model, x = CheckpointedInTraining().train(), torch.randn(8, 8)
+    report = autopipe.verify(model, (x,), devices=2, chunks=4)
+    assert report.passed, report
+    fixed = next(c for c in report.structure if c.name == "structure, draws fixed")
+    assert "train mode" in fixed.run and {r.name for r in fixed.rows if r.kind == "grad" and r.max_abs_ref > 0} >= {"blocks.0.0.weight"}
+
+    original = custom_gradients._apply
+
+    def under_no_grad(cls, *args, **kwargs):  # the bug as it was: export traced the checkpoint under no_grad
+        if cls is torch.utils.checkpoint.CheckpointFunction and threading.get_ident() in custom_gradients._tracing:
+            with torch.no_grad():
+                return args[0](*args[2:])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(custom_gradients, "_apply", under_no_grad)
+    report = autopipe.verify(model, (x,), devices=2, chunks=4)
+    assert not report.passed and [c.name for c in report.checks if not c.passed] == ["structure, draws fixed"], report
