@@ -4,7 +4,7 @@
   forward's ops instead (a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's sparsemixer: other gradients,
   silently). fx records a call of the Function; torch.export records an opaque custom op (``autopipe::autograd_function``), which
   export_route swaps for the same call.
-- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()``) runs its function inline: export traced
+- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()`` before transformers 5) runs its function inline: export traced
   it under no_grad, and no gradient reached the checkpointed layers. The pipeline re-materialises stages itself.
 - A module's backward hook runs where the module is called whole (fx keeps it so; export is refused); a tensor hook registered in the
   forward (``h.register_hook(f)``) is refused: no graph holds it.

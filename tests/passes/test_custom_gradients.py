@@ -218,7 +218,8 @@ def test_checkpoints_inside_the_model_give_the_plain_models_gradients(reentrant,
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_hugging_face_gradient_checkpointing_trains_like_the_plain_model(reentrant):
-    """gradient_checkpointing_enable() defaults to torch's reentrant checkpoint: every gradient was None through the pipeline."""
+    """gradient_checkpointing_enable() defaulted to torch's reentrant checkpoint before transformers 5: every gradient was None through the
+    pipeline."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
