@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx.operator_schemas import _torchscript_schema_to_signature
 from torch.overrides import TorchFunctionMode
@@ -121,11 +122,11 @@ class FixedDraws(TorchDispatchMode):
         if name not in _FIXED:
             self.unfixed.add(str(func))
             return out
-        value, target = _FIXED[name](bound), args[0] if func._schema.is_mutable else out
-        if isinstance(value, torch.Tensor):
-            target.copy_(value.expand_as(target))
-        else:
-            target.fill_(value)
+        value = _FIXED[name](bound)
+        written = [args[k] if k < len(args) else kwargs.get(a.name) for k, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]  # bernoulli_'s self, an out=
+        for target in written or [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]:
+            target.copy_(value.expand_as(target)) if isinstance(value, torch.Tensor) else target.fill_(value)
         return out
 
 

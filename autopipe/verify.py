@@ -385,30 +385,30 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         part = "is skipped (random in eval mode too)" if compare is None else "compares in eval mode (dropout off)"
         report.notes.append(f"the model draws random numbers in {mode_name} mode, the pipeline its own per stage and "
                             f"micro-batch: the structure part {part}; replay compares the pipeline with itself")
+    name, deferred = _dtype_name(dtype), bool(compile_kwargs.get("deferred_batch_norm"))  # deferred: BatchNorm statistics of the mini-batch
+    skipped = ["deferred_batch_norm=True: buffers not compared"] if deferred else []
     if compare is None:
         report.structure.append(Check("structure", "-", "-", None, notes=["skipped: random in eval mode too"]))
     else:
-        name = _dtype_name(dtype)
         where = f"{'train' if compare else 'eval'} mode{' (dropout off)' if randomness == RANDOM else ''}, {name}"
-        deferred = bool(compile_kwargs.get("deferred_batch_norm"))  # BatchNorm statistics of the whole mini-batch
         structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}{', 1 thread per worker' if threads else ''}",
-                          f"{loop}, {where}, 1 thread", tolerance, notes=["deferred_batch_norm=True: buffers not compared"] if deferred else [])
+                          f"{loop}, {where}, 1 thread", tolerance, notes=list(skipped))
         report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference, buffers=not deferred))
-        if randomness == RANDOM and training:  # the train-mode code eval mode skips (a checkpoint, a Function used in training only)
-            fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw fixed (dropout keeps "
-                          f"all), {name}", f"{loop}, the same", tolerance, notes=list(structure.notes))
-            report.structure.append(_check(fixed, lambda: run(dtype, checkpoint, True, threads, fixed=True),
-                                           lambda: run(dtype, "loop", True, 1, fixed=True), buffers=not deferred))
-            if unfixed := run(dtype, "loop", True, 1, fixed=True).unfixed if fixed.error is None else ():
-                fixed.tolerance = None
-                fixed.notes.append(f"for information: {', '.join(sorted(unfixed))} drew at random all the same")
-        if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
-            info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
-                                f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))
-            if any(r.worst() > tolerance for r in info.rows):
-                info.notes.append("this model mixes the rows of a batch (BatchNorm in training mode, a mean loss over "
-                                  "tokens, ...): the structure part compares with GPipe's micro-batch loop")
-            report.structure.append(info)
+    if randomness == RANDOM and training:  # the train-mode code eval mode skips (a checkpoint, a Function used in training only)
+        fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw fixed (dropout keeps "
+                      f"all), {name}", f"{loop}, the same", tolerance, notes=list(skipped))
+        report.structure.append(_check(fixed, lambda: run(dtype, checkpoint, True, threads, fixed=True),
+                                       lambda: run(dtype, "loop", True, 1, fixed=True), buffers=not deferred))
+        if unfixed := run(dtype, "loop", True, 1, fixed=True).unfixed if fixed.error is None else ():
+            fixed.tolerance = None
+            fixed.notes.append(f"for information: {', '.join(sorted(unfixed))} drew at random all the same")
+    if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
+        info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
+                            f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))
+        if any(r.worst() > tolerance for r in info.rows):
+            info.notes.append("this model mixes the rows of a batch (BatchNorm in training mode, a mean loss over "
+                              "tokens, ...): the structure part compares with GPipe's micro-batch loop")
+        report.structure.append(info)
 
     # replay: every micro-batch re-materialised against none, in the model's own dtype, bit for bit
     one = f"{_dtype_name(own)}, 1 thread per worker, seed {SEED}"

@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from .trace import TracedModel, fake_errors_unlogged, scalar_buffers_kept
 
@@ -99,9 +100,11 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
         module = gm.get_submodule(target)
         if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             return 0 if isinstance(module, _CHEAP_MODULES) else None
-        # a parametrized weight (spectral_norm's power iteration) is computed, and its buffers written, where it is read: its shape is its original's
-        weight = module.parametrizations.weight.original if nn.utils.parametrize.is_parametrized(module, "weight") else module.weight
         transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+        # from the module's sizes: a parametrized weight (spectral_norm's power iteration) is computed, its buffers written, where it is read
+        inputs_per_output = module.in_features if isinstance(module, nn.Linear) else \
+            (module.out_channels if transposed else module.in_channels) // module.groups * math.prod(module.kernel_size)
+        return 2 * _numel(vals[0] if transposed else out) * inputs_per_output
     elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
         weight = vals[1] if len(vals) > 1 else kwargs["weight"]
         transposed = target in _CONV_TRANSPOSE
@@ -120,6 +123,31 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
     return 2 * _numel(vals[0] if transposed else out) * math.prod(weight.shape[1:])
 
 
+class _Flops(TorchDispatchMode):
+    """torch.utils.flop_counter's count (flop_registry, decomposing what it has no formula for), without FlopCounterMode's module tracker,
+    whose global module hooks reach other threads' modules: a pipeline training there while this one compiles."""
+
+    supports_higher_order_operators = True  # export's no_grad / autocast regions: their bodies are counted, as FlopCounterMode counts them
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:  # prim::device: as FlopCounterMode
+            with self:  # its parts are counted (einsum's bmm)
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        if func.overloadpacket in flop_registry:
+            self.total += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+        return out
+
+
 def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -128,13 +156,13 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
     counts = {}
     with mode, scalar_buffers_kept(gm), fake_errors_unlogged():
         for node in nodes:
-            counter = FlopCounterMode(display=False)
+            counter = _Flops()
             # a failing op counts one FLOP per output element; grad mode is put back, as export's
             # wrap_with_set_grad_enabled leaves it off when its body raises
             with contextlib.suppress(Exception), counter, torch.set_grad_enabled(torch.is_grad_enabled()):
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
                 getattr(runner, node.op)(node.target, args, kwargs)
-            counts[node] = counter.get_total_flops()
+            counts[node] = counter.total
     return counts
 
 

@@ -23,11 +23,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
-_REGISTER_HOOK = torch.Tensor.register_hook
-_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_HOOKS = tuple(os.path.join(os.path.dirname(torch.__file__), *p) for p in (("utils", "hooks.py"), ("nn", "modules", "module.py")))
 _PATCH = threading.Lock()
-_tracing: dict[int, list[str]] = {}  # thread ident -> what its trace ran inline (reentrant checkpoints)
+_replaced: dict[str, Any] = {}       # what the first trace on any thread replaced (torch's own, or a user's patch), put back by the last
+_tracing: dict[int, list[tuple[str, bool]]] = {}  # thread ident -> the reentrant checkpoints its trace ran inline, and whether with grad
 _exporting = threading.local()       # .calls: export_route's calls of the custom op, by number, while it exports
 _TENSOR = object()                   # where a tensor goes among an output's leaves
 
@@ -45,7 +44,13 @@ class FunctionCall:
     def run(self, *values: Any) -> Any:
         filled = dict(zip(self.slots, values))
         args, kwargs = pytree.tree_unflatten([filled.get(i, leaf) for i, leaf in enumerate(self.leaves)], self.spec)
-        return _APPLY.__func__(self.function, *args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        output = _apply_unpatched(self.function, *args, **kwargs)
+        if [t._version for t in tensors] != versions:  # seen by the shape runs of the trace, before anything else runs
+            raise TypeError(f"{self!r} writes its input in place (ctx.mark_dirty): autopipe keeps a custom autograd.Function whole, and its analysis of "
+                            f"in-place writes (which stage must see one, what a recompute must not redo) cannot see into it; return a new tensor")
+        return output
 
     def __call__(self, *values: Any) -> Any:
         output = self.run(*values)
@@ -57,12 +62,12 @@ class FunctionCall:
 
 def _recorded_call(tensors: list[torch.Tensor], call: int) -> list[torch.Tensor]:
     """Export's record of one Function call: the forward on (fake or real) values; its structure is kept for the traced Python."""
-    function = _exporting.calls[call]
-    versions = [t._version for t in tensors]
+    calls = getattr(_exporting, "calls", None)
+    if calls is None:
+        raise RuntimeError("autopipe::autograd_function runs only while autopipe exports a model: a graph still calls it (a bug in autopipe)")
+    function = calls[call]
     with torch.no_grad():
         output = function.run(*tensors)
-    if [t._version for t in tensors] != versions:
-        raise TypeError(f"{function!r} writes its input in place (ctx.mark_dirty): autopipe keeps a Function whole only where it returns new tensors")
     leaves, spec = pytree.tree_flatten(output)
     function.output = (spec, [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves])
     return [t.clone() for t in leaves if isinstance(t, torch.Tensor)]  # a custom op's outputs alias nothing
@@ -75,13 +80,13 @@ def _apply(cls, *args, **kwargs):
     """Function.apply while a trace runs on this thread: the call kept whole; elsewhere torch's own."""
     ran_inline = _tracing.get(threading.get_ident())
     if ran_inline is None:
-        return _APPLY.__func__(cls, *args, **kwargs)
+        return _apply_unpatched(cls, *args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     proxies = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Proxy)]
     if cls is torch.utils.checkpoint.CheckpointFunction and not proxies:  # (run_function, preserve_rng_state, *args); fx refuses its no_grad
-        ran_inline.append(_named(args[0]))
         # as in the plain model, no gradient reaches the function's parameters where none of its inputs requires grad
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(args[2:]))
+        ran_inline.append((_named(args[0]), needs_grad))
         with contextlib.nullcontext() if needs_grad else torch.no_grad():
             return args[0](*args[2:])
     if proxies and cls is not torch.utils.checkpoint.CheckpointFunction:  # fx: one node calling the Function
@@ -89,7 +94,7 @@ def _apply(cls, *args, **kwargs):
         return leaves[proxies[0]].tracer.create_proxy("call_function", call, tuple(leaves[i] for i in proxies), {})
     calls = getattr(_exporting, "calls", None)
     if calls is None:  # not inside an export (FakeTensorProp runs the graph's calls through FunctionCall.run)
-        return _APPLY.__func__(cls, *args, **kwargs)
+        return _apply_unpatched(cls, *args, **kwargs)
     if sizes := [leaf for leaf in leaves if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]:
         raise TypeError(f"{cls.__qualname__}.apply is given {sizes[0]}, a number set by the batch size: autopipe keeps a custom autograd.Function "
                         f"whole and bakes its non-tensor arguments in; pass such a number as a tensor")
@@ -109,14 +114,22 @@ def _named(function: Any) -> str:
     return type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(function, "__qualname__", type(function).__name__)
 
 
+def _apply_unpatched(cls, *args, **kwargs):
+    """Function.apply as it is outside a trace: torch's, or a user's patch of it."""
+    apply = _replaced.get("apply") or torch.autograd.Function.__dict__["apply"]
+    return apply.__get__(None, cls)(*args, **kwargs)
+
+
 def _register_hook(tensor: torch.Tensor, hook: Any):
-    """Tensor.register_hook while a trace runs on this thread: refused where the model's code calls it (torch's own code runs as it does)."""
-    frame = traceback.extract_stack(limit=2)[0]
-    if threading.get_ident() in _tracing and not frame.filename.startswith(_TORCH):
-        raise TypeError(f"the forward registers a gradient hook on a tensor ({frame.filename}:{frame.lineno}: {frame.line}): a traced graph holds no "
+    """Tensor.register_hook while a trace runs on this thread: refused where the forward calls it, also through torch's
+    register_multi_grad_hook (nn.Module's own hook machinery runs as it does)."""
+    frames = traceback.extract_stack(limit=2)
+    if threading.get_ident() in _tracing and not frames[0].filename.startswith(_TORCH_HOOKS):
+        user = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(os.path.dirname(torch.__file__))), frames[0])
+        raise TypeError(f"the forward registers a gradient hook on a tensor ({user.filename}:{user.lineno}: {user.line}): a traced graph holds no "
                         f"hook, so the pipeline would never run it; write it as a custom torch.autograd.Function (autopipe keeps those whole), or "
                         f"register it on a module whole (register_full_backward_hook) on the fx route")
-    return _REGISTER_HOOK(tensor, hook)
+    return (_replaced.get("register_hook") or torch.Tensor.register_hook)(tensor, hook)
 
 
 def backward_hooked(model: torch.nn.Module) -> list[str]:
@@ -126,12 +139,18 @@ def backward_hooked(model: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def kept_whole() -> Iterator[list[str]]:
-    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields the functions run inline), tensor
-    hooks refused."""
-    ran_inline: list[str] = []
+def kept_whole() -> Iterator[list[tuple[str, bool]]]:
+    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields each function run inline, and whether
+    with grad), tensor hooks refused."""
+    module_hooks = torch.nn.modules.module
+    if module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks:
+        raise TypeError("a global module backward hook is set (torch.nn.modules.module.register_module_full_backward_hook): a traced graph holds "
+                        "no module's backward hook, so it would not run where it runs on the plain model; remove it while compiling and training, "
+                        "or register it on the modules themselves")
+    ran_inline: list[tuple[str, bool]] = []
     with _PATCH:
         if not _tracing:
+            _replaced.update(apply=torch.autograd.Function.__dict__["apply"], register_hook=torch.Tensor.__dict__["register_hook"])
             torch.autograd.Function.apply = classmethod(_apply)
             torch.Tensor.register_hook = _register_hook
         _tracing[threading.get_ident()] = ran_inline
@@ -141,8 +160,7 @@ def kept_whole() -> Iterator[list[str]]:
         with _PATCH:
             del _tracing[threading.get_ident()]
             if not _tracing:
-                torch.autograd.Function.apply = _APPLY
-                torch.Tensor.register_hook = _REGISTER_HOOK
+                torch.autograd.Function.apply, torch.Tensor.register_hook = _replaced.pop("apply"), _replaced.pop("register_hook")
 
 
 @contextlib.contextmanager
@@ -155,8 +173,14 @@ def exporting() -> Iterator[list[FunctionCall]]:
         del _exporting.calls
 
 
-def calls_restored(graph: fx.Graph, calls: list[FunctionCall]) -> None:
-    """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call returns a list)."""
-    for node in graph.find_nodes(op="call_function", target=torch.ops.autopipe.autograd_function.default):
-        tensors, number = node.args
-        node.target, node.args = calls[number], tuple(tensors)
+def calls_restored(root: fx.GraphModule, calls: list[FunctionCall]) -> None:
+    """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call returns a list), also in
+    the subgraphs of its no_grad and autocast regions."""
+    for module in root.modules():
+        found = module.graph.find_nodes(op="call_function", target=torch.ops.autopipe.autograd_function.default) \
+            if isinstance(module, fx.GraphModule) else []
+        for node in found:
+            tensors, number = node.args
+            node.target, node.args = calls[number], tuple(tensors)
+        if found and module is not root:
+            module.recompile()

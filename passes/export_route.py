@@ -82,7 +82,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention
-    calls_restored(graph, function_calls)
+    calls_restored(unlifted, function_calls)
     batch = {s.node.expr for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d and isinstance(s := n.meta["val"].shape[0], torch.SymInt)}
     for node in reversed(graph.nodes):
         if branches.guards(node):

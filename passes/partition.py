@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from autopipe.plan import Plan, StagePlan, TensorInfo
 from autopipe.random_ops import aten_overloads, bind, is_random_target, op_name, signature_of
 from .cost import CostedGraph
+from .custom_gradients import FunctionCall
 from .cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
 from .trace import node_where
 
@@ -668,7 +669,7 @@ def _across_micro_batches(gm: fx.GraphModule) -> list[str]:
                          f"plain model's; compute it outside the model, or run with chunks=1")
         size = next((a.name for a in n.args if isinstance(a, fx.Node) and a.meta.get("batch_number")),
                     "a literal" if n.meta.get("batch_literal") else None)  # trace's facts
-        if function and rows_per_sample(n) and op_name(n.target) in _ARITHMETIC and size is not None:
+        if function and rows_per_sample(n) and (op_name(n.target) in _ARITHMETIC or isinstance(n.target, FunctionCall)) and size is not None:
             notes.append(f"{node_where(n)} computes batch rows with {size}, a number set by the batch size (x.shape[0]): each micro-batch uses "
                          f"its own, so values and gradients are not the plain model's; pass it in, or run with chunks=1")
         inputs = _value_inputs(n) if function else n.all_input_nodes

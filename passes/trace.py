@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
 
-from .custom_gradients import backward_hooked, kept_whole
+from .custom_gradients import FunctionCall, backward_hooked, kept_whole
 
 
 class TraceError(RuntimeError):
@@ -73,6 +73,7 @@ class TracedModel:
     assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
     batch_inputs: list[bool] = field(default_factory=list)  # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
     ambiguous_inputs: list[str] = field(default_factory=list)  # cut, with the batch size in another dim too, in a graph of one static size
+    grad_flags: tuple | None = None  # the inputs' and parameters' requires_grad, where the graph holds only what they gave (grad_flags)
 
     @classmethod
     def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
@@ -101,6 +102,14 @@ class TracedModel:
                                     f"{now!r} now; it is baked into the graph")
         return [leaves[i] for i in self.tensor_positions]
 
+    def check_grad_flags(self, model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> None:
+        """A graph that holds a reentrant checkpoint run without grad (none of its inputs required grad) is the plain model's only while
+        no input or parameter changes requires_grad."""
+        if self.grad_flags is not None and grad_flags(model, flat_inputs) != self.grad_flags:
+            raise InputMismatch("an input or parameter changed requires_grad since the pipeline was compiled, and the model's reentrant "
+                                "torch.utils.checkpoint, whose inputs then needed no gradient, was traced to give its parameters none, as the "
+                                "plain model did; compile the pipeline again (autopipe.compile) for these settings")
+
     def rebuild_output(self, flat: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(_fill(self.output_leaves, self.output_positions, flat), self.output_spec)
 
@@ -119,6 +128,10 @@ class TracedModel:
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
         return tuple(leaves[i] for i in self.output_positions)
+
+
+def grad_flags(model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> tuple:
+    return tuple(t.requires_grad for t in flat_inputs), tuple(p.requires_grad for p in model.parameters())
 
 
 def _fill(template: list[Any], positions: list[int], values: Sequence[Any]) -> list[Any]:
@@ -158,8 +171,14 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole() as ran_inline:
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if ran_inline:
-        traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of {listed(sorted(set(ran_inline)))} runs inline: the pipeline "
-                            f"re-materialises its stages itself (compile's checkpoint=)")
+        traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of {listed(sorted({name for name, _ in ran_inline}))} runs inline: "
+                            f"the pipeline re-materialises its stages itself (compile's checkpoint=)")
+    if kept := sorted({repr(n.target) for m in traced.graph_module.modules() if isinstance(m, fx.GraphModule)
+                       for n in m.graph.nodes if isinstance(n.target, FunctionCall)}):
+        traced.notes.append(f"custom autograd.Functions kept whole, their own backward run: {listed(kept)}; autopipe sees the shapes of their "
+                            f"inputs and outputs, not a statistic over the batch computed inside one")
+    if not all(with_grad for _, with_grad in ran_inline):  # the graph holds a checkpoint without grad: right for these requires_grad flags only
+        traced.grad_flags = grad_flags(model, traced.flat_inputs(args, kwargs or {}))
     _bound_data_dependent_sizes(traced)
     if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "

@@ -1204,20 +1204,22 @@ class SpectralNormed(nn.Module):
     def __init__(self, how):
         super().__init__()
         self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
-        norm = nn.utils.spectral_norm if how == "hook" else nn.utils.parametrizations.spectral_norm
+        norm = {"hook": nn.utils.spectral_norm, "parametrization": nn.utils.parametrizations.spectral_norm,
+                "weight_norm": nn.utils.parametrizations.weight_norm}[how]  # weight_norm: stateless, two originals
         self.b = norm(nn.Linear(8, 8))
 
     def forward(self, x):
         return self.head(self.b(torch.tanh(self.a(x))))
 
 
-@pytest.mark.parametrize("how", ["hook", "parametrization"])
+@pytest.mark.parametrize("how", ["hook", "parametrization", "weight_norm"])
 @pytest.mark.parametrize("route", ["fx", "export"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_spectral_norm_trains_like_a_loop_over_micro_batches(how, route, checkpoint):
     """On fx the Linear runs whole, its power iteration out of the graph's sight: each task now runs on its own copy of its buffers (as
     for a write the graph shows), so the recompute starts from the value its forward did. Before, the gradients were 0.29 (hook,
-    recomputed) and 0.01 (parametrization) off; and the cost pass read the parametrized weight, running an iteration on the model."""
+    recomputed) and 0.01 (parametrization) off; and the cost pass read the parametrized weight, running an iteration on the model (and
+    failing on weight_norm, whose parametrization has two originals)."""
     torch.manual_seed(0)
     model = SpectralNormed(how).double().train()
     loop = copy.deepcopy(model)

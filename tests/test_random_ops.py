@@ -166,3 +166,24 @@ def test_a_kernel_that_takes_no_generator_draws_from_the_given_one_on_the_defaul
     replay = random_ops.on_default_generator(torch.Generator().manual_seed(1), fused, q)
     assert torch.equal(first, replay) and not torch.equal(first, second)
     assert torch.equal(torch.rand(3), marker), "the default generator moved"
+
+
+def test_fixed_draws_fix_every_random_kernel_a_model_runs_the_same_way_wherever_it_draws():
+    """verify's train-mode check: the plain model draws from the global generator, the pipeline from its tasks'; under FixedDraws both
+    compute the same numbers (dropout keeps everything and scales; means and midpoints elsewhere), in place, out of place and into out=."""
+    x, out = torch.randn(4, 5), torch.empty(4)
+    with random_ops.FixedDraws() as fixed:
+        assert torch.equal(F.dropout(x, 0.5, True), x * 2)
+        assert torch.equal(random_ops.dropout(x, 0.5, True, generator=torch.Generator().manual_seed(1)), x * 2)  # the pipeline's own
+        assert torch.equal(torch.rand(3), torch.full((3,), 0.5)) and torch.equal(torch.randn_like(x), torch.zeros_like(x))
+        assert torch.equal(torch.empty(3).uniform_(2, 4), torch.full((3,), 3.0)) and torch.equal(torch.randint(2, 9, (3,)), torch.full((3,), 2))
+        assert torch.equal(torch.empty(3).normal_(5.0, 1.0), torch.full((3,), 5.0))
+        assert torch.allclose(F.rrelu(x, training=True), torch.where(x >= 0, x, x * (1 / 8 + 1 / 3) / 2))
+        torch.rand(4, out=out)
+        assert torch.equal(out, torch.full((4,), 0.5))
+        torch.bernoulli(torch.full((4,), 0.3), out=out)
+        assert torch.equal(out, torch.ones(4))
+    assert not fixed.unfixed
+    with random_ops.FixedDraws() as fixed:
+        torch.poisson(torch.ones(3))  # a kernel it does not know draws as it does, and is named
+    assert fixed.unfixed == {"aten.poisson.default"}

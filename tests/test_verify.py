@@ -381,3 +381,32 @@ def test_a_random_model_is_also_checked_in_train_mode_with_its_draws_fixed(monke
     monkeypatch.setattr(custom_gradients, "_apply", under_no_grad)
     report = autopipe.verify(model, (x,), devices=2, chunks=4)
     assert not report.passed and [c.name for c in report.checks if not c.passed] == ["structure, draws fixed"], report
+
+
+def test_a_model_random_in_eval_mode_too_is_checked_in_train_mode_with_its_draws_fixed():
+    """Random in eval mode too (a Function drawing a mask in either mode), the structure check has nothing to compare: the fixed-draws
+    check still does."""
+    class MaskedDropout(torch.autograd.Function):  # DeBERTa's XDropout, drawing in eval mode too
+        @staticmethod
+        def forward(ctx, x):
+            mask = torch.empty_like(x).bernoulli_(0.6).bool()
+            ctx.save_for_backward(mask)
+            return x.masked_fill(~mask, 0) / 0.6
+
+        @staticmethod
+        def backward(ctx, grad):
+            (mask,) = ctx.saved_tensors
+            return grad.masked_fill(~mask, 0) / 0.6
+
+    class RandomInEval(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(MaskedDropout.apply(self.a(x)))
+
+    torch.manual_seed(0)
+    report = autopipe.verify(RandomInEval().train(), (torch.randn(8, 8),), devices=2, chunks=2)
+    assert report.passed, report
+    assert [c.name for c in report.structure if not c.informational] == ["structure, draws fixed"]

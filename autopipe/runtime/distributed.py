@@ -187,6 +187,7 @@ class DistributedPipeline(torch.nn.Module):
             self.compile_for(args, kwargs)
         traced, transport, runners = self._program.traced, self._transport, self._runners
         flat = traced.flat_inputs(args, kwargs)
+        traced.check_grad_flags(self.model, flat)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
         local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, sizes)]
         schedule = self._schedule(len(sizes))

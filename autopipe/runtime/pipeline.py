@@ -176,6 +176,7 @@ class Pipeline(torch.nn.Module):
             vars(self)["_current"] = compiled  # past nn.Module.__setattr__, as step.py sets the timeline
             sizes = microbatch.micro_batch_sizes(args[0].shape[0], self.chunks)
             if compiled.covers(sizes):
+                compiled.traced.check_grad_flags(self.model, args)
                 return compiled, list(args), sizes
         compiled = self.compile_for(args, kwargs)
         flat = compiled.traced.flat_inputs(args, kwargs)
@@ -183,6 +184,7 @@ class Pipeline(torch.nn.Module):
         if not compiled.covers(sizes):  # traced at static micro-batch sizes: trace the new ones
             compiled.programs.update(self._build(args, kwargs).programs)
         self._check_inputs(compiled, flat)
+        compiled.traced.check_grad_flags(self.model, flat)
         if seen is not None and len(flat) == len(args) and all(f is a for f, a in zip(flat, args)):
             self._seen[seen] = compiled
         return compiled, flat, sizes

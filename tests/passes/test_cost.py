@@ -119,6 +119,25 @@ def test_uncounted_ops_weigh_one_flop_per_output_element_and_user_functions_are_
     assert flops["double_matmul"] == 2 * (2 * 4 * 6 * 6)
 
 
+def matmul_seeing_global_hooks(a, b):
+    GLOBAL_HOOKS_SEEN.append(len(torch.nn.modules.module._global_forward_pre_hooks) + len(torch.nn.modules.module._global_forward_hooks))
+    return a @ b
+
+
+torch.fx.wrap("matmul_seeing_global_hooks")
+GLOBAL_HOOKS_SEEN: list[int] = []
+
+
+def test_counting_flops_sets_no_global_module_hook():
+    """FlopCounterMode's module tracker registers global module hooks, which reached the modules of a pipeline training on another thread
+    while this one compiled (its backward then failed: _will_engine_execute_node inside autograd.grad)."""
+    model = Fn(lambda self, x: matmul_seeing_global_hooks(x, self.w))
+    model.w = nn.Parameter(torch.randn(6, 6))
+    GLOBAL_HOOKS_SEEN.clear()
+    assert costed(model, torch.randn(4, 6)).costs["matmul_seeing_global_hooks"].flops == 2 * 4 * 6 * 6  # counted by running it
+    assert GLOBAL_HOOKS_SEEN and set(GLOBAL_HOOKS_SEEN) == {0}
+
+
 def test_bytes_params_and_tied_weights():
     class Tied(nn.Module):
         def __init__(self):

@@ -15,6 +15,7 @@ from torch import nn
 import autopipe
 
 REGISTER_HOOK = torch.Tensor.register_hook
+REGISTERED_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 class GradReverse(torch.autograd.Function):
@@ -172,13 +173,15 @@ def test_what_export_cannot_keep_whole_is_refused_naming_the_function():
         def forward(self, x):
             return SizedFunction.apply(self.a(x), x.shape[0])
 
-    with pytest.raises(autopipe.TraceError, match="InPlaceFunction.*writes its input in place"):
-        autopipe.compile(Writes(), devices=2, chunks=2, route="export", example_inputs=(torch.randn(4, 4),))
+    for route in ("fx", "export"):  # on fx it was a call the in-place analysis could not see into: a recompute wrote the input again
+        with pytest.raises((autopipe.TraceError, TypeError), match="InPlaceFunction.*writes its input in place"):
+            autopipe.compile(Writes(), devices=2, chunks=2, route=route, example_inputs=(torch.randn(4, 4),))
     with pytest.raises(autopipe.TraceError, match="SizedFunction.apply is given .*set by the batch size"):
         autopipe.compile(Sized(), devices=2, chunks=2, route="export", example_inputs=(torch.randn(4, 4),))
-    # on fx the size is a traced value, passed to the call at run time: each micro-batch's own, as the plain model's loop would
-    pipe = autopipe.compile(Sized().double(), devices=2, chunks=2, route="fx", example_inputs=(torch.randn(4, 4, dtype=torch.float64),))
-    assert pipe.plan.route == "fx"
+    # on fx the size is a traced value, passed to the call at run time: each micro-batch's own, which compile warns about, as for h * x.shape[0]
+    with pytest.warns(UserWarning, match="sized_function_apply computes batch rows with .*a number set by the batch size"):
+        pipe = autopipe.compile(Sized().double(), devices=2, chunks=2, route="fx", example_inputs=(torch.randn(4, 4, dtype=torch.float64),))
+    assert pipe.plan.route == "fx" and any("SizedFunction.apply" in note for note in pipe.plan.notes)
 
 
 class Checkpointed(nn.Module):
@@ -214,6 +217,72 @@ def test_checkpoints_inside_the_model_give_the_plain_models_gradients(reentrant,
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
     assert any("re-materialises" in note for note in pipe.plan.notes) == reentrant
+
+
+def test_a_reentrant_checkpoint_traced_without_grad_is_refused_once_requires_grad_changes():
+    """Traced where no input of the checkpoint needed a gradient, the graph gives the checkpointed blocks none: right until the input or a
+    parameter upstream asks for one (unfreezing an embedding), when the plain model gives them gradients and the pipeline gave None."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True, input_needs_grad=False).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopipe.compile(model, devices=2, chunks=4, example_inputs=(x,))
+        pipe(x).sum().backward()
+        with pytest.raises(autopipe.InputMismatch, match="changed requires_grad since the pipeline was compiled"):
+            pipe(x.clone().requires_grad_()).sum().backward()
+
+
+class InRegion(nn.Module):
+    """A kept Function inside a no_grad or autocast region, which export holds as a subgraph."""
+
+    def __init__(self, region):
+        super().__init__()
+        self.region, self.a, self.b, self.c = region, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.region == "autocast":  # Llama's rotary embedding: an autocast-disabled region
+            with torch.autocast("cpu", enabled=False):
+                h = self.b(GradReverse.apply(h, 0.5))
+        else:
+            with torch.no_grad():
+                m = GradReverse.apply(h * 2, 0.5)
+            h = self.b(h) + m
+        return self.c(torch.tanh(h))
+
+
+@pytest.mark.parametrize("region", ["autocast", "no_grad"])
+def test_a_function_inside_an_exported_region_is_called_there_too(region):
+    """export_route swapped the custom op back for the Function's call in the top graph only: the region's subgraph kept calling it."""
+    torch.manual_seed(0)
+    model = InRegion(region).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    plain(x).pow(2).sum().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    pipe(x).pow(2).sum().backward()
+    assert pipe.plan.route == "export"
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_users_own_patches_of_apply_and_register_hook_stay():
+    """A trace patches torch.autograd.Function.apply and Tensor.register_hook for its thread, and puts back what it found, not what torch
+    had when autopipe was imported."""
+    calls = []
+    users_apply = classmethod(lambda cls, *args, **kwargs: calls.append(cls) or REGISTERED_APPLY.__get__(None, cls)(*args, **kwargs))
+    users_register_hook = lambda tensor, hook: REGISTER_HOOK(tensor, hook)  # noqa: E731
+    torch.autograd.Function.apply, torch.Tensor.register_hook = users_apply, users_register_hook
+    try:
+        autopipe.plan(WithFunctions(), torch.randn(4, 8), devices=2, chunks=2)
+        assert torch.autograd.Function.__dict__["apply"] is users_apply and torch.Tensor.__dict__["register_hook"] is users_register_hook
+        model = WithFunctions()
+        pipe = autopipe.compile(model, devices=2, chunks=2, example_inputs=(torch.randn(4, 8),))
+        pipe(torch.randn(4, 8)).sum().backward()
+        assert GradReverse in calls  # the pipeline calls the Function through the user's apply
+    finally:
+        torch.autograd.Function.apply, torch.Tensor.register_hook = REGISTERED_APPLY, REGISTER_HOOK
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -261,6 +330,14 @@ def test_a_tensor_hook_registered_in_the_forward_is_refused_naming_the_line():
                 h.register_hook(lambda grad: grad * 3.0)
             return self.b(h)
 
+    class MultiHooked(Hooked):
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch.autograd.graph.register_multi_grad_hook((h,), lambda grads: None)
+            return self.b(h)
+
     with pytest.raises(autopipe.TraceError, match=r"registers a gradient hook on a tensor \(.*test_custom_gradients.py:\d+: h.register_hook"):
         autopipe.compile(Hooked(), devices=2, chunks=2, example_inputs=(torch.randn(4, 8),))
+    with pytest.raises(autopipe.TraceError, match=r"registers a gradient hook on a tensor \(.*test_custom_gradients.py:\d+: torch.autograd.graph"):
+        autopipe.compile(MultiHooked(), devices=2, chunks=2, route="export", example_inputs=(torch.randn(4, 8),))
     assert torch.Tensor.register_hook is REGISTER_HOOK  # torch's again

@@ -468,6 +468,14 @@ def test_backward_hooks_the_pipeline_cannot_run_are_refused_naming_the_module():
     model.register_full_backward_hook(lambda m, grad_in, grad_out: None)
     with pytest.raises(TraceError, match="Hooked itself has a backward hook"):
         trace(model, (x,), route="fx")
+    model, x = _hooked(None)
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, grad_in, grad_out: None)
+    try:  # every module's, the stages' too: on fx it was lost where a graph traced into a module (0.32 off where it scaled a gradient)
+        for route in ("fx", "export"):
+            with pytest.raises(TypeError, match="a global module backward hook is set"):
+                trace(model, (x,), route=route)
+    finally:
+        handle.remove()
 
 
 def test_an_autocast_region_in_the_forward_is_kept_by_taking_the_export_route():
