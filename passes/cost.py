@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .trace import TracedModel, fake_errors_unlogged, scalar_buffers_kept
+from .trace import MutableArguments, TracedModel, fake_errors_unlogged, mutable, scalar_buffers_kept
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class _Flops(TorchDispatchMode):
 def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    runner = fx.Interpreter(gm)
+    runner = MutableArguments(gm)
     fake = lambda n: tree_map_only(torch.Tensor, mode.from_tensor, n.meta.get("val"))  # from_tensor memoises
     counts = {}
     with mode, scalar_buffers_kept(gm), fake_errors_unlogged():
@@ -160,13 +160,13 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
             # a failing op counts one FLOP per output element; grad mode is put back, as export's
             # wrap_with_set_grad_enabled leaves it off when its body raises
             with contextlib.suppress(Exception), counter, torch.set_grad_enabled(torch.is_grad_enabled()):
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
+                args, kwargs = mutable(fx.node.map_arg((node.args, node.kwargs), fake))
                 getattr(runner, node.op)(node.target, args, kwargs)
             counts[node] = counter.total
     return counts
 
 
-class _Timer(fx.Interpreter):
+class _Timer(MutableArguments):
     """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on the CPU; on a GPU, CUDA
     events around the node, read once the run is done (the host clock would time only the kernel launch)."""
 

@@ -520,7 +520,28 @@ def named_leaves(output: Any) -> list[tuple[str, Any]]:
         return [(f"output[{i}]", t) for i, t in enumerate(pytree.tree_leaves(tree))]
 
 
-class _MetaProp(fx.Interpreter):
+def mutable(value: Any) -> Any:
+    """``value`` with fx's immutable_list and immutable_dict as plain ones: an fx Interpreter hands a node its arguments so, and a function
+    fx keeps whole may write to one (torchvision's swin3d window sizes), as it may when the generated code calls it."""
+    if isinstance(value, list):
+        return [mutable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: mutable(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return type(value)(*map(mutable, value)) if hasattr(value, "_fields") else tuple(map(mutable, value))
+    return value
+
+
+class MutableArguments(fx.Interpreter):
+    def fetch_args_kwargs_from_env(self, n: fx.Node):
+        return mutable(super().fetch_args_kwargs_from_env(n))
+
+
+class _FakeProp(MutableArguments, FakeTensorProp):
+    pass
+
+
+class _MetaProp(MutableArguments):
     """Meta kernels directly, for a model and inputs all on meta: ~3x faster than FakeTensorMode (48-block GPT)."""
 
     def run_node(self, n: fx.Node):
@@ -565,7 +586,7 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
     for n in gm.graph.nodes:
         n.meta.pop("unbacked_bindings", None)  # export's symbols (u0): this mode names its own
     with scalar_buffers_kept(gm):
-        FakeTensorProp(gm, mode).propagate(*inputs)
+        _FakeProp(gm, mode).propagate(*inputs)
 
 
 @contextlib.contextmanager

@@ -497,3 +497,39 @@ def test_an_autocast_region_in_the_forward_is_kept_by_taking_the_export_route():
     import autopipe
     pipe = autopipe.compile(model, devices=2, chunks=1, example_inputs=(x,))
     assert pipe.plan.route == "export" and torch.equal(pipe(x), model(x))
+
+
+def window_sizes(sizes, window_size):
+    """As torchvision's swin3d _get_window_and_shift_size (fx-wrapped): it writes its list argument."""
+    for i in range(len(window_size)):
+        if sizes[i] <= window_size[i]:
+            window_size[i] = sizes[i]
+    return window_size
+
+
+torch.fx.wrap("window_sizes")
+
+
+def test_a_function_fx_keeps_whole_may_write_its_list_arguments():
+    """fx's Interpreter hands a node its arguments as immutable lists: the shape runs failed on torchvision's swin3d ('immutable_list'
+    object does not support mutation), where the generated code, passing a fresh list, runs."""
+    class Windowed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.window_size = nn.Linear(8, 8), nn.Linear(8, 8), [4, 16]
+
+        def forward(self, x):
+            _, d, h = x.shape
+            w = window_sizes((d, h), self.window_size)
+            return self.b(self.a(x) * w[0] + w[1])
+
+    import copy
+
+    import autopipe
+    model, x = Windowed().double(), torch.randn(4, 6, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    plain(x).sum().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=2, route="fx", balance="time", example_inputs=(x,))  # time: the cost pass runs it too
+    pipe(x).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
