@@ -232,8 +232,11 @@ def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_toleranc
             row.note = "; ".join(filter(None, [row.note, f"held by stages {', '.join(map(str, shared[row.name]))} (tied): bound {shared_tolerance:.0e}"]))
     rows = [_compare("loss", "loss", run.loss, ref.loss)]
     rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs] + grads
-    if buffers:
-        rows += [_compare("buffer", n, run.buffers.get(n), t) for n, t in ref.buffers.items()]
+    if buffers:  # as for gradients: a running mean of centred values (~1e-18) is measured against the buffers' scale, not its own rounding
+        kept = [_compare("buffer", n, run.buffers.get(n), t) for n, t in ref.buffers.items()]
+        for row in kept:
+            row.floor = GRAD_FLOOR * max((b.max_abs_ref for b in kept), default=0.0)
+        rows += kept
     return rows
 
 
