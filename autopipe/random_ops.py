@@ -65,6 +65,14 @@ def from_torch(target: Any) -> bool:
     return module == "torch" or module.startswith("torch.")
 
 
+def drawing(func: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """A random kernel's arguments by name where this call draws (not with probability 0, nor with train False); else None."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    bound = bind(func, args, kwargs) or {}
+    return bound if draws(bound) else None
+
+
 class Draws(TorchDispatchMode):
     """Sees whether a random kernel draws while it is active (``seen``)."""
 
@@ -74,7 +82,7 @@ class Draws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags and draws(bind(func, args, kwargs) or {})
+        self.seen = self.seen or drawing(func, args, kwargs) is not None
         return func(*args, **kwargs)
 
 
@@ -108,8 +116,7 @@ class FixedDraws(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        bound = bind(func, args, kwargs) or {} if torch.Tag.nondeterministic_seeded in func.tags else None
-        if bound is None or not draws(bound):
+        if (bound := drawing(func, args, kwargs)) is None:
             return out
         name = func.overloadpacket.__name__.strip("_")
         if name == "native_dropout":  # (output, keep-mask)
@@ -345,7 +352,7 @@ class _RoutedKernels(_Routed, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or not draws(bind(func, args, kwargs) or {}):
+        if drawing(func, args, kwargs) is None:
             return func(*args, **kwargs)
         how, target = aten_route(func)
         if how == "function":

@@ -102,12 +102,11 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
             return 0 if isinstance(module, _CHEAP_MODULES) else None
         transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
         # from the module's sizes: a parametrized weight (spectral_norm's power iteration) is computed, its buffers written, where it is read
-        inputs_per_output = module.in_features if isinstance(module, nn.Linear) else \
+        per_element = module.in_features if isinstance(module, nn.Linear) else \
             (module.out_channels if transposed else module.in_channels) // module.groups * math.prod(module.kernel_size)
-        return 2 * _numel(vals[0] if transposed else out) * inputs_per_output
     elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
         weight = vals[1] if len(vals) > 1 else kwargs["weight"]
-        transposed = target in _CONV_TRANSPOSE
+        transposed, per_element = target in _CONV_TRANSPOSE, math.prod(weight.shape[1:])
     elif target in _ATTENTION:  # QK^T and PV, 2*L*S*E each per batch and head, as sdpa_flop_count
         q, k, v = [*vals, *(kwargs.get(name) for name in ("query", "key", "value"))][:3]
         return 2 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
@@ -120,7 +119,7 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
     else:
         user_function = node.op == "call_function" and getattr(target, "__module__", "") not in _TORCH_MODULES
         return None if user_function or target is torch.einsum else 0
-    return 2 * _numel(vals[0] if transposed else out) * math.prod(weight.shape[1:])
+    return 2 * _numel(vals[0] if transposed else out) * per_element
 
 
 class _Flops(TorchDispatchMode):
@@ -149,7 +148,7 @@ class _Flops(TorchDispatchMode):
 
 
 def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Run each node once on fake copies of its inputs' meta["val"] under FlopCounterMode."""
+    """Run each node once on fake copies of its inputs' meta["val"], counting as FlopCounterMode does (_Flops)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     runner = MutableArguments(gm)
     fake = lambda n: tree_map_only(torch.Tensor, mode.from_tensor, n.meta.get("val"))  # from_tensor memoises

@@ -36,7 +36,8 @@ class FunctionCall:
     ``flat``, it returns the tensors of the Function's output as a list, as the custom op does on the export route."""
 
     def __init__(self, function: type, spec: pytree.TreeSpec, leaves: list[Any], slots: list[int], flat: bool = False):
-        self.function, self.spec, self.leaves, self.slots, self.flat = function, spec, leaves, slots, flat
+        self.function, self.spec, self.slots, self.flat = function, spec, slots, flat
+        self.leaves = [None if i in slots else leaf for i, leaf in enumerate(leaves)]  # the call's other arguments; the values fill the slots
         self.__name__ = self.__qualname__ = f"{function.__name__}_apply"  # the name fx writes into the stage code
         self.__module__ = ""  # so that fx makes it a global of the code, never an attribute path into torch
         self.output: tuple[pytree.TreeSpec, list[Any]] | None = None  # the export route's: the output's structure and non-tensor leaves
@@ -83,14 +84,16 @@ def _apply(cls, *args, **kwargs):
         return _apply_unpatched(cls, *args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     proxies = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Proxy)]
-    if cls is torch.utils.checkpoint.CheckpointFunction and not proxies:  # (run_function, preserve_rng_state, *args); fx refuses its no_grad
+    if cls is torch.utils.checkpoint.CheckpointFunction:  # (run_function, preserve_rng_state, *args)
+        if proxies:  # fx: torch's own, whose no_grad region fx refuses
+            return _apply_unpatched(cls, *args, **kwargs)
         # as in the plain model, no gradient reaches the function's parameters where none of its inputs requires grad
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(args[2:]))
         ran_inline.append((_named(args[0]), needs_grad))
         with contextlib.nullcontext() if needs_grad else torch.no_grad():
             return args[0](*args[2:])
-    if proxies and cls is not torch.utils.checkpoint.CheckpointFunction:  # fx: one node calling the Function
-        call = FunctionCall(cls, spec, [None if i in proxies else leaf for i, leaf in enumerate(leaves)], proxies)
+    if proxies:  # fx: one node calling the Function
+        call = FunctionCall(cls, spec, leaves, proxies)
         return leaves[proxies[0]].tracer.create_proxy("call_function", call, tuple(leaves[i] for i in proxies), {})
     calls = getattr(_exporting, "calls", None)
     if calls is None:  # not inside an export (FakeTensorProp runs the graph's calls through FunctionCall.run)
@@ -99,7 +102,7 @@ def _apply(cls, *args, **kwargs):
         raise TypeError(f"{cls.__qualname__}.apply is given {sizes[0]}, a number set by the batch size: autopipe keeps a custom autograd.Function "
                         f"whole and bakes its non-tensor arguments in; pass such a number as a tensor")
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    call = FunctionCall(cls, spec, [None if i in slots else leaf for i, leaf in enumerate(leaves)], slots, flat=True)
+    call = FunctionCall(cls, spec, leaves, slots, flat=True)
     calls.append(call)
     tensors = iter(torch.ops.autopipe.autograd_function([leaves[i] for i in slots], len(calls) - 1))
     out_spec, out_leaves = call.output

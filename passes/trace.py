@@ -16,7 +16,7 @@ import re
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -364,15 +364,12 @@ def _what_fx_cannot_record(model: torch.nn.Module):
         frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
         return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
 
-    def recording(mode: bool) -> None:
-        if threading.get_ident() == tracer_thread:
-            switches.append(where())
-        set_grad_enabled(mode)
-
-    def recording_autocast(*args) -> None:
-        if threading.get_ident() == tracer_thread:
-            autocasts.append(where())
-        set_autocast_enabled(*args)
+    def recording(found: list[str], switch: Callable) -> Callable:  # the switch, noting where the tracer thread calls it
+        def record(*args) -> None:
+            if threading.get_ident() == tracer_thread:
+                found.append(where())
+            switch(*args)
+        return record
 
     class RealDraws(TorchDispatchMode):  # ops on proxies never reach the dispatcher: these run for real
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -385,7 +382,7 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     versions = {name: t._version for name, t in tensors.items()}
     with _FX_TRACING:  # one patch of torch._C._set_grad_enabled (and torch.set_autocast_enabled: torch.autocast's switch) at a time
         set_grad_enabled, set_autocast_enabled = torch._C._set_grad_enabled, torch.set_autocast_enabled
-        torch._C._set_grad_enabled, torch.set_autocast_enabled = recording, recording_autocast
+        torch._C._set_grad_enabled, torch.set_autocast_enabled = recording(switches, set_grad_enabled), recording(autocasts, set_autocast_enabled)
         try:
             with RealDraws():
                 yield lost

@@ -247,6 +247,17 @@ def test_wrapped_user_function_runs_under_call_with_generator():
     assert torch.equal(a, b)
 
 
+def assert_replays_from_its_generator(stage, x):
+    """The stage's draws come from its generator argument alone: one seed, one result, and the global generator untouched."""
+    torch.manual_seed(0)
+    first = stage(x, generator=torch.Generator().manual_seed(1))[0]
+    marker = torch.rand(2)
+    again = stage(x, generator=torch.Generator().manual_seed(1))[0]
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(2), marker) and torch.equal(first, again)
+    return first
+
+
 def stochastic_depth(h, p, training):
     """torchvision.ops.stochastic_depth as torchvision writes it: fx.wrap'ed, in a module whose name begins with "torch"."""
     if not training or p == 0.0:
@@ -265,12 +276,7 @@ def test_a_wrapped_function_of_a_library_named_torch_something_draws_from_the_ge
     x = torch.randn(64, 6)
     _, _, (stage,) = build(model, (x,))
     assert "call_with_generator(stochastic_depth_fn, generator, inp, 0.5, True)" in stage.code
-    torch.manual_seed(0)
-    first = stage(x, generator=torch.Generator().manual_seed(1))[0]
-    marker = torch.rand(2)
-    again = stage(x, generator=torch.Generator().manual_seed(1))[0]
-    torch.manual_seed(0)
-    assert torch.equal(torch.rand(2), marker) and torch.equal(first, again)
+    first = assert_replays_from_its_generator(stage, x)
     assert not torch.equal(first, stage(x, generator=torch.Generator().manual_seed(2))[0])
 
 
@@ -308,12 +314,7 @@ def test_random_ops_inside_opaque_calls_replay(module, route):
     x = torch.randn(4, 6)
     _, _, (stage,) = build(model, (x,), route=route)
     assert stage.uses_rng
-    torch.manual_seed(0)
-    first = stage(x, generator=torch.Generator().manual_seed(1))[0]
-    marker = torch.rand(2)
-    again = stage(x, generator=torch.Generator().manual_seed(1))[0]
-    torch.manual_seed(0)
-    assert torch.equal(torch.rand(2), marker) and torch.equal(first, again)
+    assert_replays_from_its_generator(stage, x)
 
 
 class FusedKernel(nn.Module):
