@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import microbatch
-from .executor import Loss
+from .loss import Loss
 from .p2p import P2PTransport, PipelineError
 from .pipeline import Pipeline
 from .step import model_loss

@@ -12,7 +12,8 @@ import torch
 from autopipe.passes.trace import carries_batch
 
 from . import microbatch
-from .executor import Loss, run_tasks
+from .executor import run_tasks
+from .loss import Loss
 from .schedule import Schedule, Task
 from .task import StageRunner, StepState, accumulate_grads, sum_grads
 from .threads import Mailbox, run_on_workers
