@@ -180,13 +180,27 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     if not all(with_grad for _, with_grad in ran_inline):  # the graph holds a checkpoint without grad: right for these requires_grad flags only
         traced.grad_flags = grad_flags(model, traced.flat_inputs(args, kwargs or {}))
     _bound_data_dependent_sizes(traced)
-    if frozen := [name for name in guard.restored if name in ("NumPy random", "Python random")]:
+    trace_again = functools.partial(_trace, model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
+    if frozen := _drawn_on_every_call(model, guard.restored, trace_again):
         raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
                          f"draws once and the graph would keep those numbers for every step and micro-batch. Draw them with torch (torch.rand, "
                          f"torch.bernoulli), whose random ops the pipeline replays, or trace the model in eval mode if it draws only in training")
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
     return traced
+
+
+def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_again: Callable[[], Any]) -> list[str]:
+    """NumPy's and Python's generators that moved while tracing and move again in a second trace: the forward's own draws, which the
+    graph would freeze. A draw made once per process is not the forward's: a module imported for the first time inside the forward
+    that draws at import (issue 29: jax's k8s_cluster.py runs np.random.rand(5)), a cache filled on the first call. The second trace
+    runs only where a generator moved, under the same guards; both put the generators back."""
+    moved = [name for name in restored if name in ("NumPy random", "Python random")]
+    if not moved:
+        return []
+    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole():
+        trace_again()
+    return [name for name in moved if name in guard.restored]
 
 
 def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedModel:

@@ -3,11 +3,17 @@ a timestep to the batch) fail fx and the dynamic-batch export with ``BatchSpecia
 a static micro-batch size with ``static_batch``; and tracing leaves torch's global state as it was."""
 from __future__ import annotations
 
+import copy
+import importlib
+import random
+import sys
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+import autopipe
 from autopipe.global_state import differences, snapshot
 from autopipe.passes.trace import BatchSpecialised, TraceError, specialises_batch, trace
 
@@ -350,6 +356,66 @@ def test_randomness_from_numpy_is_refused_not_frozen_into_the_graph():
     assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
                for a, b in zip(state, np.random.get_state()))  # and the caller's generator is where it was
     assert trace(NumpyMask().eval(), (torch.randn(4, 8),)).route == "fx"
+
+
+# -- issue 29: a draw made once per process (a first import) is not the forward's --------------------------------
+
+DRAWS_AT_IMPORT = """
+import random
+import numpy as np
+np.random.rand(5)  # as jax/_src/clusters/k8s_cluster.py does when transformers first imports it, lazily
+random.random()
+SCALE = 2.0
+"""
+
+
+@pytest.fixture
+def drawing_module(tmp_path, monkeypatch):
+    """The name of a module, not yet imported, that draws from NumPy's and Python's generators when it is imported."""
+    name = f"draws_at_import_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(DRAWS_AT_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+class ImportsInForward(nn.Module):
+    """Imports a module inside its forward (a lazy import: the first call imports, later calls find it imported);
+    with ``layer_drop``, also skips its second layer at random on every call, with Python's generator."""
+
+    def __init__(self, module_name: str, layer_drop: float = 0.0):
+        super().__init__()
+        self.module_name, self.layer_drop = module_name, layer_drop
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x)) * importlib.import_module(self.module_name).SCALE
+        if self.layer_drop and random.random() < self.layer_drop:
+            return x
+        return self.b(x)
+
+
+def test_a_module_drawing_when_the_forward_first_imports_it_does_not_refuse_the_model(drawing_module):
+    torch.manual_seed(0)
+    model = ImportsInForward(drawing_module).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, example_inputs=(x,))
+    assert drawing_module in sys.modules  # the trace imported it: its draw happened there
+    out, ref = pipe(x), reference(x)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_forward_drawing_on_every_call_is_refused_naming_that_generator_alone(drawing_module):
+    state = random.getstate()
+    with pytest.raises(TraceError, match="draws from Python random") as refused:
+        trace(ImportsInForward(drawing_module, layer_drop=0.5), (torch.randn(4, 8),))
+    assert "NumPy" not in str(refused.value)  # the import drew from NumPy once: not the forward's draw
+    assert random.getstate() == state  # and the caller's generator is where it was
 
 
 class MaskedTokens(nn.Module):
