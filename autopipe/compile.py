@@ -2,17 +2,19 @@
 entry point calls with one :class:`Options`, then a runtime."""
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopipe.global_state import preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
-from autopipe.passes.codegen import codegen
+from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
@@ -113,9 +115,11 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 
 
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
-               generate: bool = True, before_codegen: Callable[[Plan], None] | None = None) -> Compiled:
+               generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
+               after_codegen: Callable[[list], None] | None = None) -> Compiled:
     """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per micro-batch size.
-    ``before_codegen(plan)``: where compile places parameters on their stages' devices and the torchrun runtime materialises its meta weights."""
+    ``before_codegen(plan)``: where the torchrun runtime materialises its meta weights. ``after_codegen(stages)``: where compile places the
+    tensors the stages read on their devices, before the runners look at where they are."""
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)
 
@@ -152,6 +156,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         return Program(traced=traced, plan=plan, stages=stages)
 
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
+        if after_codegen is not None:
+            after_codegen(stages)
     with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
         progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} stages x {options.chunks} micro-batches")
@@ -288,7 +294,7 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights (use "
                              f"autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
-        build = lambda args, kwargs: run_passes(model, args, kwargs, options, before_codegen=lambda result: _place(model, result))
+        build = lambda args, kwargs: run_passes(model, args, kwargs, options, after_codegen=place)
         pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads, deferred_batch_norm=deferred_batch_norm,
                         schedule=schedule, virtual_stages=virtual_stages, track_memory=track_memory)
     if example_inputs is not None or example_kwargs:
@@ -300,13 +306,37 @@ def as_tuple(inputs: Any) -> tuple:
     return () if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def _place(model: torch.nn.Module, result: Plan) -> None:
-    """Move each parameter and buffer to the device of the first stage that holds it. Parameter objects stay the same (``.data`` is replaced),
-    so optimizers keep working."""
-    if all(s.device.type == "cpu" for s in result.stages):
-        return
-    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+def place(stages: Sequence[Stage]) -> None:
+    """Move each tensor the stages read to its ``placement``. The tensor objects stay the same (``.data`` is replaced), so optimizers
+    keep working and every stage, program and the model see the move."""
     with torch.no_grad():
-        for name, (device, *_) in result.param_devices.items():
-            if tensors[name].device != device:
-                tensors[name].data = tensors[name].data.to(device)
+        for t, device in placement(stages):
+            if t.device != device:
+                t.data = t.data.to(device)
+
+
+def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]]:
+    """Each tensor the stages read (``tensors_read``) and the device of the first stage that reads it; a later stage on another device
+    runs on a replica (runtime/task.py). Found on the stages, not by name in the model: a trace makes tensors the model does not hold
+    (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), whose lookup in the model was issue 29's KeyError on CUDA."""
+    first: dict[int, tuple[torch.Tensor, torch.device]] = {}
+    for stage in stages:
+        for t in tensors_read(stage):
+            first.setdefault(id(t), (t, stage.device))
+    return list(first.values())
+
+
+def tensors_read(module: fx.GraphModule) -> list[torch.Tensor]:
+    """Every tensor ``module``'s graph reads: by ``get_attr`` (parameters, buffers, fx's and export's constants), those of the
+    modules it calls whole or gets, and those of its subgraphs (export's no_grad / autocast regions), each once."""
+    found: dict[int, torch.Tensor] = {}
+    for node in module.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        value = operator.attrgetter(node.target)(module)
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        elif isinstance(value, torch.nn.Module):
+            for t in [*value.parameters(), *value.buffers(), *(tensors_read(value) if isinstance(value, fx.GraphModule) else ())]:
+                found.setdefault(id(t), t)
+    return list(found.values())
