@@ -1,4 +1,6 @@
-"""The CUDA path (streams, device placement, inline backward): runs where a GPU is, skips cleanly elsewhere.
+"""The CUDA path (streams, device placement, inline backward): runs where a GPU is, skips cleanly elsewhere
+(``make gpu`` runs it on a lent GPU). What a CPU can check of these tests runs here too: the timing model's trace;
+placement on another device than the trace's is tests/test_placement.py's.
 
 Issue 14's checks, each against the plain model on the same GPU: several stages on one GPU, tied weights, an
 export-route transformers model traced on the CPU, dropout re-materialised bit for bit, bf16 autocast, CPU
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 import autopipe
 from zoo import GPT, ZOO, build, random_inputs, scalar_loss, tensor_leaves
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = "cuda:0"
 
@@ -64,6 +66,7 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+@cuda
 @pytest.mark.parametrize("name", ["mlp", "gpt", "unet"])
 def test_stages_on_cuda_match_the_plain_model(name):
     model = build(name).eval()
@@ -111,6 +114,7 @@ def assert_two_ranks_match_the_in_process_pipeline(tmp_path, backend, **env):
             torch.testing.assert_close(grad, model.get_parameter(name).grad.cpu(), rtol=1e-4, atol=1e-5)
 
 
+@cuda
 def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_path):
     """torchrun with a CUDA model: each rank's stages run on the GPU, messages go through host memory (gloo), so
     two processes can share the one GPU (NCCL cannot share it)."""
@@ -119,6 +123,7 @@ def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_pa
 
 # -- issue 14 ------------------------------------------------------------------------------------------------
 
+@cuda
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "unet"])
 def test_four_stages_on_one_gpu_match_the_plain_model(name):
     model, reference = on_gpu(build(name).eval())
@@ -139,6 +144,7 @@ def test_four_stages_on_one_gpu_match_the_plain_model(name):
     assert {(s, k) for s in range(4) for k in ("forward", "backward")} <= ran
 
 
+@cuda
 def test_tied_embedding_and_head_on_two_stages_of_one_gpu():
     torch.manual_seed(0)
     model, reference = on_gpu(GPT(dropout=None, tied=True))
@@ -160,6 +166,7 @@ def test_tied_embedding_and_head_on_two_stages_of_one_gpu():
     assert_close(model.wte.weight, reference.wte.weight, 1e-4, 1e-4, "wte.weight after two updates")
 
 
+@cuda
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_export_route_model_traced_on_the_cpu_runs_on_the_gpu(name):
     pytest.importorskip("transformers")
@@ -185,6 +192,7 @@ def test_export_route_model_traced_on_the_cpu_runs_on_the_gpu(name):
     assert_grads_match(model, reference)
 
 
+@cuda
 def test_dropout_recompute_is_bit_for_bit_on_the_gpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -212,6 +220,7 @@ def test_dropout_recompute_is_bit_for_bit_on_the_gpu():
             assert not torch.equal(pipes["always"](ids), outs["always"])
 
 
+@cuda
 def test_bf16_autocast_around_the_step_reaches_every_stage():
     torch.manual_seed(0)
     model, reference = on_gpu(GPT(dropout=None))
@@ -235,6 +244,7 @@ def test_bf16_autocast_around_the_step_reaches_every_stage():
         assert pipe(ids).dtype == torch.float32
 
 
+@cuda
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_cpu_inputs_to_a_model_on_the_gpu(name):
     model, reference = on_gpu(build(name).eval())
@@ -255,6 +265,7 @@ def test_cpu_inputs_to_a_model_on_the_gpu(name):
         assert_close(x.grad, x_ref.grad, 1e-3, 1e-4, "input gradient")
 
 
+@cuda
 def test_a_caller_on_its_own_stream_is_waited_for_and_waits_for_the_step():
     """The stages compute on the caller's current stream (torchgpipe's compute streams): an input still being
     written there when pipe(x) is called is read after the write, and the caller's next kernel on that stream
@@ -280,6 +291,7 @@ def test_a_caller_on_its_own_stream_is_waited_for_and_waits_for_the_step():
     assert_grads_match(model, reference)
 
 
+@cuda
 def test_the_timeline_of_a_gpu_step_comes_from_cuda_events():
     model, _ = on_gpu(build("gpt").eval())
     args, _ = random_inputs("gpt", 8, torch.Generator().manual_seed(0))
@@ -341,6 +353,7 @@ class AttentionDropoutStack(torch.nn.Module):
         return x
 
 
+@cuda
 def test_attention_dropout_keeps_a_fused_kernel_and_replays_exactly():
     """SDPA with dropout runs torch's fused kernel (flash / memory-efficient) on the task generator's state: the
     recomputed forward equals the first, dropout does draw, and the caller's CUDA RNG is untouched."""
@@ -370,20 +383,40 @@ def test_attention_dropout_keeps_a_fused_kernel_and_replays_exactly():
         assert_close(grads["always"][n], g, 1e-4, 1e-5, n)
 
 
-def test_balance_time_times_gpu_nodes_with_cuda_events():
-    """On a GPU the host clock times only a kernel's launch: a large matmul and a tiny add would look alike.
-    CUDA events time the kernels."""
+class MatmulThenAdd(torch.nn.Module):
+    """A large matmul, then a tiny add on one column of its result. (Until issue 29 it was ``x @ x``, which ties the
+    batch to the features: a micro-batch cannot run it, and trace rightly refuses it as batch-specialised.)"""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(features, features) / features**0.5)
+
+    def forward(self, x):
+        return (x @ self.weight)[:, :1] + 1
+
+
+def seconds_of_matmul_and_add(device: str, features: int) -> tuple[float, float]:
+    """balance="time"'s measured seconds of MatmulThenAdd's matmul and add, on ``device``, a batch of ``features`` rows."""
     from passes.cost import cost
     from passes.trace import trace
 
-    class MatmulThenAdd(torch.nn.Module):
-        def forward(self, x):
-            y = x @ x
-            return y[:1, :1] + 1
-
-    x = torch.randn(4096, 4096, device=CUDA)
-    costed = cost(trace(MatmulThenAdd(), (x,)), measure_inputs=(x,))
+    model, x = MatmulThenAdd(features).to(device), torch.randn(features, features, device=device)
+    costed = cost(trace(model, (x,)), measure_inputs=(x,))
     seconds = {name: c.seconds for name, c in costed.costs.items()}
     matmul = next(s for name, s in seconds.items() if "matmul" in name)
     add = next(s for name, s in seconds.items() if name.startswith("add"))
-    assert matmul > 20 * add, seconds
+    return matmul, add
+
+
+def test_the_timing_model_traces_and_is_timed_on_the_cpu():
+    """The GPU test's model, traced and timed on the CPU, where CI runs it: its batch is free (issue 29, class 3)."""
+    matmul, add = seconds_of_matmul_and_add("cpu", 64)
+    assert matmul > 0 and add > 0
+
+
+@cuda
+def test_balance_time_times_gpu_nodes_with_cuda_events():
+    """On a GPU the host clock times only a kernel's launch: a large matmul and a tiny add would look alike.
+    CUDA events time the kernels."""
+    matmul, add = seconds_of_matmul_and_add(CUDA, 4096)
+    assert matmul > 20 * add, (matmul, add)
