@@ -23,7 +23,7 @@ from autopipe.progress import Progress
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Pipeline
-from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
+from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.step import Compiled, Program
 from autopipe.runtime.task import CHECKPOINT_MODES
 
@@ -38,7 +38,7 @@ def positive_int(value: Any) -> bool:
 class Options:
     """What every entry point fills once and every pass reads; checked when made."""
 
-    devices: tuple[torch.device, ...]          # one per stage: K devices x v virtual stages, round robin
+    devices: tuple[torch.device, ...]          # one per stage: K devices x v virtual stages, round robin (zbv: a V)
     chunks: int = 8
     balance: str | tuple[float, ...] = "flops"
     leaf_modules: tuple[type | str, ...] = ()
@@ -61,14 +61,17 @@ class Options:
         if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
+        object.__setattr__(self, "virtual_stages", stages_per_device(self.schedule, self.virtual_stages))
         object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
 
     @classmethod
     def make(cls, devices: Sequence[torch.device], **options: Any) -> "Options":
-        """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K]."""
-        checked = cls(tuple(devices), **options)
-        return replace(checked, devices=tuple(devices) * checked.virtual_stages)
+        """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K] (zbv: device d
+        holds stages d and 2K-1-d, so the partitioner cuts 2K stages and balances them)."""
+        checked, K = cls(tuple(devices), **options), len(devices)
+        return replace(checked, devices=tuple(devices[device_of_stage(checked.schedule, K, s)]
+                                              for s in range(K * checked.virtual_stages)))
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:

@@ -19,7 +19,7 @@ from .loss import Loss
 from .p2p import P2PTransport, PipelineError
 from .pipeline import Pipeline
 from .step import model_loss
-from .schedule import Schedule
+from .schedule import Schedule, device_of_stage
 from .task import StageRunner, StepState, accumulate_grads
 from .wire import WireSpec
 
@@ -80,7 +80,8 @@ class DistributedPipeline(torch.nn.Module):
         self.options, self.data_parallel, self.timeout = options, data_parallel, timeout
         self.deferred_batch_norm, self.schedule_name = deferred_batch_norm, options.schedule
         self.replica, self.stage_index = divmod(self.rank, self.n_ranks)  # stage_index: this rank's first stage
-        self.stage_indices = list(range(self.stage_index, len(options.devices), self.n_ranks))
+        self.rank_of = functools.partial(device_of_stage, options.schedule, self.n_ranks)  # a stage's rank, 0..K-1
+        self.stage_indices = [s for s in range(len(options.devices)) if self.rank_of(s) == self.stage_index]
         self._run_passes = run_passes
         self._program = None
         self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks, options.virtual_stages))
@@ -142,12 +143,13 @@ class DistributedPipeline(torch.nn.Module):
         program = compiled.main
         stages = {s: program.stages[s] for s in self.stage_indices}
         self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout, group=self.pipeline_groups[self.replica],
-                                       downward=self.downward_groups[self.replica], name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
+                                       downward=self.downward_groups[self.replica], rank_of=self.rank_of,
+                                       name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         self._runners = {s: StageRunner(stage) for s, stage in stages.items()}
         self._shared = []  # (name, group) of each tied parameter this rank holds with other ranks of its replica
         for p in range(self.data_parallel):  # every rank creates every group, in the same order
             for name, holders in sorted(program.plan.shared_params.items()):
-                ranks = sorted({p * self.n_ranks + s % self.n_ranks for s in holders})
+                ranks = sorted({p * self.n_ranks + self.rank_of(s) for s in holders})
                 if len(ranks) > 1:  # all on one rank: summed there
                     group = dist.new_group(ranks)
                     if self.rank in ranks:

@@ -39,10 +39,12 @@ def run_tasks(tasks: Sequence[Task], runners: Callable[[Task], StageRunner], tra
                     transport.send_outputs(task.stage, i, runner.forward(step, i, *transport.inputs(task.stage, i)))
                     if loss is not None and task.stage == loss.last_stage:
                         loss.run(i, transport)
-                else:
+                elif task.kind == "B":
                     runner.rematerialise(step, i)  # needs only the saved inputs: before waiting for gradients
                     grads = transport.output_grads(task.stage, i)
                     transport.send_input_grads(task.stage, i, runner.backward(step, i, grads))
+                else:  # W: nothing moves, nothing waits for it
+                    runner.backward_weight(step, i)
         except BaseException as e:
             note_failure(e, task, runner.stage.device)
             raise
@@ -52,7 +54,7 @@ def note_failure(error: BaseException, task: Task, device: torch.device) -> None
     """Name the stage, device and micro-batch on the original exception, once."""
     if hasattr(error, "_autopipe_where") or isinstance(error, StageFailure):
         return
-    kind = "forward" if task.kind == "F" else "backward"
+    kind = {"F": "forward", "B": "backward", "W": "parameter gradients"}[task.kind]
     error._autopipe_where = f"{kind} of micro-batch {task.micro_batch} (stage {task.stage})"  # type: ignore[attr-defined]
     if hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(f"autopipe: raised in stage {task.stage} ({device}) on micro-batch {task.micro_batch} during {kind}; see pipe.stages[{task.stage}].code")

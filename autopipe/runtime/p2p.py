@@ -28,14 +28,16 @@ class _CommError(RuntimeError):
 
 
 class P2PTransport(Transport):
-    """This rank's end of the pipeline's messages; it holds ``stages`` (stage s lives on rank s % world).
-    A value whose reader is on the same rank, or its gradient, is handed over in memory."""
+    """This rank's end of the pipeline's messages; it holds ``stages`` (stage s lives on rank ``rank_of(s)``: s % world,
+    or zbv's V). A value whose reader is on the same rank, or its gradient, is handed over in memory."""
 
     def __init__(self, spec: WireSpec, stages: dict[int, Any], *, group: dist.ProcessGroup, timeout: float,
-                 name: str, downward: dist.ProcessGroup | None = None) -> None:
+                 name: str, downward: dist.ProcessGroup | None = None,
+                 rank_of: Callable[[int], int] | None = None) -> None:
         self.spec, self.stages, self.group = spec, stages, group
         self.downward = downward or group  # carries the messages to a lower rank (NCCL: distributed.py)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank_of = rank_of or (lambda stage: stage % self.world)
         # NCCL moves device memory; gloo host memory, so a CUDA rank stages its messages in pinned host buffers
         device = next(iter(stages.values())).device
         self.nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
@@ -69,7 +71,7 @@ class P2PTransport(Transport):
             self._wd.start()
 
     def _local(self, stage: int) -> bool:
-        return stage % self.world == self.rank
+        return self.rank_of(stage) == self.rank
 
     def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule, runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
         """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every rank and raised as PipelineError."""
@@ -85,7 +87,7 @@ class P2PTransport(Transport):
         self.sends: list = []
         if schedule not in self._plans:
             self._plans[schedule] = self._messages(schedule)
-        self.order, self.needs, self.peer_sends = self._plans[schedule]
+        self.order, self.reading, self.needs, self.peer_sends = self._plans[schedule]
         self.posted: dict[tuple, tuple] = {}  # receives posted, by message
         self.cursor = {q: 0 for q in self.peer_sends}  # how far each peer's sends have matching receives
         try:
@@ -99,12 +101,14 @@ class P2PTransport(Transport):
             self._fail(err)
             raise
 
-    def _messages(self, schedule: Schedule) -> tuple[list[Task], dict[tuple, tuple[int, list]], dict[int, list]]:
-        """This rank's tasks; per task, its place in that order and the messages it reads; what each peer sends this rank, in the order
-        it posts those sends. A message is ("F", value, mb) or ("B", value, mb, reader stage)."""
+    def _messages(self, schedule: Schedule) -> tuple[list[Task], list[Task], dict[tuple, tuple[int, list]], dict]:
+        """This rank's tasks; those that read messages (F and B: a W reads none); per such task, its place among them
+        and the messages it reads; what each peer sends this rank, in the order it posts those sends. A message is
+        ("F", value, mb) or ("B", value, mb, reader stage)."""
         order = schedule.device_order(self.rank)
+        reading = [t for t in order if t.kind != "W"]
         needs: dict[tuple, tuple[int, list]] = {}
-        for k, t in enumerate(order):
+        for k, t in enumerate(reading):
             i = t.micro_batch
             if t.kind == "F":
                 read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
@@ -116,17 +120,17 @@ class P2PTransport(Transport):
             for t in schedule.device_order(q):
                 if t.kind == "F":
                     sends += [("F", e.name, t.micro_batch) for e in self.spec.out_of(t.stage) if any(self._local(d) for d in e.dsts)]
-                else:
+                elif t.kind == "B":
                     sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage) if e.grad and self._local(e.src)]
-        return order, needs, peer_sends
+        return order, reading, needs, peer_sends
 
     def _receive(self, kind: str, stage: int, i: int) -> None:
         """Wait for a task's messages. Receives are posted for the tasks up to LOOKAHEAD after it, and from each
         peer in the order that peer posts its sends: NCCL matches a pair's messages in posting order."""
         at, reads = self.needs[(kind, stage, i)]
-        for task in self.order[at:at + 1 + LOOKAHEAD]:
+        for task in self.reading[at:at + 1 + LOOKAHEAD]:
             for message in self.needs[(task.kind, task.stage, task.micro_batch)][1]:
-                peer = (self._edges[message[1]].src if message[0] == "F" else message[3]) % self.world
+                peer = self.rank_of(self._edges[message[1]].src if message[0] == "F" else message[3])
                 while message not in self.posted:
                     self._post_receive(peer, self.peer_sends[peer][self.cursor[peer]])
                     self.cursor[peer] += 1
@@ -157,7 +161,7 @@ class P2PTransport(Transport):
         self.values[i].update(produced)
         for e in self.spec.out_of(stage):
             payload = e.to_wire(produced[e.name])
-            for r in sorted({d % self.world for d in e.dsts} - {self.rank}):
+            for r in sorted({self.rank_of(d) for d in e.dsts} - {self.rank}):
                 self.sends.append(self._post(True, payload, r, self._tag(e, i, None), f"{e.name!r} mb {i}"))
 
     def finals(self, i: int) -> list:  # after the last stage's forward, which received them
@@ -190,7 +194,8 @@ class P2PTransport(Transport):
                 self.grads[i][(e.name, stage)] = g
                 continue
             g = e.empty(self.sizes[i], self.wire_device, self.pinned).zero_() if g is None else g.contiguous()
-            self.sends.append(self._post(True, g, e.src % self.world, self._tag(e, i, stage), f"grad of {e.name!r} mb {i}"))
+            what = f"grad of {e.name!r} mb {i}"
+            self.sends.append(self._post(True, g, self.rank_of(e.src), self._tag(e, i, stage), what))
 
     def _finish_step(self) -> None:
         """Wait for this rank's sends, then for every rank: a step returns only if it completed everywhere."""

@@ -14,7 +14,7 @@ from autopipe.passes.trace import InputMismatch, batch_rows, carries_batch
 
 from . import microbatch
 from .memory import MemoryReport
-from .schedule import Schedule, Task
+from .schedule import Schedule, Task, stages_per_device
 from .step import Anchor, Compiled, _PipelineFunction, _Run, model_loss
 from .threads import Worker
 from .timeline import Timeline
@@ -42,7 +42,7 @@ class Pipeline(torch.nn.Module):
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         self.schedule_name = schedule
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = virtual_stages = stages_per_device(schedule, virtual_stages)  # zbv: two, in a V
         self.track_memory = track_memory
         self._build = build
         self._compiled: dict[Any, Compiled] = {}
@@ -90,8 +90,9 @@ class Pipeline(torch.nn.Module):
         return self._schedules[key]
 
     def orders(self, schedule: Schedule, kinds: str, inline: bool = False) -> list[list[Task]]:
-        """Each device's tasks of the given kinds in schedule order (or all of them in cycle order, inline);
-        cached, so a step does no schedule work."""
+        """Each device's tasks of the given kinds in schedule order (or all of them in cycle order, inline); "B" means
+        the whole backward, W included where it is split. Cached, so a step does no schedule work."""
+        kinds += "W" if "B" in kinds else ""
         key = (id(schedule), kinds, inline)  # schedules are cached per chunks, so the id is stable
         if key not in self._orders:
             if inline:

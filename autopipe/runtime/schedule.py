@@ -1,27 +1,45 @@
-"""Schedules as tables of clock cycles of (stage, micro-batch, F|B) tasks; see docs/architecture.md, "Schedules".
-GPipe: Huang et al. 2019, fig. 2c; 1F1B and interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM sec. 2.2)."""
+"""Schedules as tables of clock cycles of (stage, micro-batch, F|B|W) tasks; see docs/architecture.md, "Schedules".
+GPipe: Huang et al. 2019, fig. 2c; 1F1B and interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM sec. 2.2); ZB-H1 and
+ZB-V: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (secs. 3 and 6), whose tables split a stage's backward
+into B (input gradients) and W (parameter gradients)."""
 from __future__ import annotations
 
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
-NAMES = ("gpipe", "1f1b", "interleaved")
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT = ("zb-h1", "zbv")   # schedules whose backward is two tasks, B and W
+
+
+def stages_per_device(name: str, virtual_stages: int = 1) -> int:
+    """zbv always runs two stages per device (a V); the others run ``virtual_stages``."""
+    return 2 if name == "zbv" else virtual_stages
+
+
+def device_of_stage(name: str, n_devices: int, stage: int) -> int:
+    """Round robin (stage s on device s % K), or for zbv the V: device d holds stages d and 2K-1-d (ZB-V, sec. 6),
+    so the first and last stages share a device and the loss's gradient turns round without a message."""
+    if name == "zbv" and stage >= n_devices:
+        return 2 * n_devices - 1 - stage
+    return stage % n_devices
 
 
 @dataclass(frozen=True, order=True)
 class Task:
-    stage: int          # pipeline stage index (a virtual stage for interleaved: 0 .. K*v-1)
+    stage: int          # pipeline stage index (a virtual stage for interleaved and zbv: 0 .. K*v-1)
     micro_batch: int
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "W"]  # forward; backward (input gradients only where a W follows); parameter gradients
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro_batch}"
 
 
 def _deps(t: Task, n_stages: int) -> list[Task]:
-    """What a task waits for: its input activation, or its output gradient and its own forward."""
+    """What a task waits for: its input activation; its output gradient and its own forward; its own B."""
+    if t.kind == "W":
+        return [Task(t.stage, t.micro_batch, "B")]
     if t.kind == "F":
         return [Task(t.stage - 1, t.micro_batch, "F")] if t.stage > 0 else []
     deps = [Task(t.stage, t.micro_batch, "F")]
@@ -84,15 +102,49 @@ class Schedule:
         return cls._pack("interleaved", K * v, K, M, orders)
 
     @classmethod
+    def zb_h1(cls, n_stages: int, chunks: int) -> Schedule:
+        """ZB-H1 (Qi et al. sec. 3.1): 1F1B with each backward split into B and W, and device d's W deferred by d
+        backwards, so W fills the bubble 1F1B leaves while the first micro-batch's gradient travels back; at most K-d
+        micro-batches in flight on device d, as in 1F1B. As torch's ScheduleInterleavedZeroBubble with one stage per
+        rank (``_get_1f1b_rank_ops`` with ``enable_zero_bubble``, ``num_1f1b_microbatches = rank``)."""
+        orders = []
+        for d in range(n_stages):
+            warmup = min(chunks, n_stages - d - 1)
+            order = [Task(d, i, "F") for i in range(warmup)]
+            for j in range(chunks):
+                order += [Task(d, warmup + j, "F")] if warmup + j < chunks else []
+                order += [Task(d, j, "B")] + ([Task(d, j - d, "W")] if j >= d else [])
+            orders.append(order + [Task(d, i, "W") for i in range(max(0, chunks - d), chunks)])
+        return cls._pack("zb-h1", n_stages, n_stages, chunks, orders)
+
+    @classmethod
+    def zbv(cls, n_devices: int, chunks: int) -> Schedule:
+        """ZB-V (Qi et al. sec. 6): 2K stages in a V, device d holding stages d and 2K-1-d; with F, B and W of equal
+        time its bubble nears zero at 1F1B's activation memory. Device orders as torch's ScheduleZBVZeroBubble
+        (``_calculate_single_rank_operations``): warm-up forwards down the V, steady F,B,W of one stage then the other,
+        cool-down backwards, then the deferred Ws; micro-batches past M dropped as there."""
+        K, M = n_devices, chunks
+        if K < 1 or M < 1:
+            raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
+        return cls._pack("zbv", 2 * K, K, M, [_zbv_order(K, M, d) for d in range(K)])
+
+    @classmethod
     def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-        """By name: 'gpipe' | '1f1b' (one stage per device) | 'interleaved' (virtual_stages >= 2)."""
+        """By name: 'gpipe' | '1f1b' | 'zb-h1' (a stage per device) | 'interleaved' (virtual_stages >= 2) | 'zbv' (2)."""
         if name not in NAMES:
             raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
         if name == "interleaved":
             return cls.interleaved(n_devices, virtual_stages, chunks)
+        if name == "zbv":
+            if virtual_stages not in (1, 2):
+                raise ValueError(f"'zbv' runs two stages per device, in a V (got virtual_stages={virtual_stages}); "
+                                 f"leave virtual_stages out, or use 'interleaved' for {virtual_stages}")
+            return cls.zbv(n_devices, chunks)
         if virtual_stages != 1:
-            raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); use 'interleaved' for several")
-        return cls.gpipe(n_devices, chunks) if name == "gpipe" else cls.one_f_one_b(n_devices, chunks)
+            raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); "
+                             f"use 'interleaved' for several")
+        builder = {"gpipe": cls.gpipe, "1f1b": cls.one_f_one_b, "zb-h1": cls.zb_h1}[name]
+        return builder(n_devices, chunks)
 
     @classmethod
     def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int, orders: Sequence[Sequence[Task]]) -> Schedule:
@@ -115,11 +167,16 @@ class Schedule:
     def virtual_stages(self) -> int:
         return self.n_stages // self.n_devices
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether a backward is two tasks, B (input gradients) and W (parameter gradients)."""
+        return self.name in SPLIT
+
     def device_of(self, stage: int) -> int:
-        return stage % self.n_devices
+        return device_of_stage(self.name, self.n_devices, stage)
 
     def stages_on(self, device: int) -> list[int]:
-        return list(range(device, self.n_stages, self.n_devices))
+        return [s for s in range(self.n_stages) if self.device_of(s) == device]
 
     def device_order(self, device: int) -> list[Task]:  # the order its worker runs them in
         return [t for cycle in self.cycles for t in cycle if self.device_of(t.stage) == device]
@@ -133,13 +190,31 @@ class Schedule:
         return self._pack(self.name, self.n_stages, self.n_devices, self.chunks, orders)
 
     def max_in_flight(self, stage: int) -> int:
-        """Most micro-batches whose forward ran but backward not yet: M for GPipe, K - stage for 1F1B."""
-        return max(itertools.accumulate((1 if t.kind == "F" else -1 for t in self.stage_order(stage)), initial=0))
+        """Most micro-batches whose forward ran and whose graph is not yet freed (by B, or by W where the backward is
+        split): M for GPipe, K - stage for 1F1B and ZB-H1."""
+        last = "W" if self.splits_backward else "B"
+        steps = (1 if t.kind == "F" else -1 for t in self.stage_order(stage) if t.kind in ("F", last))
+        return max(itertools.accumulate(steps, initial=0))
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B, (K-1)/(v*M+K-1) interleaved (M >= K)."""
+        """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B, (K-1)/(v*M+K-1) interleaved (M >= K).
+        Cycles are unit tasks: F = B (fused) for those, F = B = W for the zero-bubble ones; ``simulate`` weighs others."""
         return 1 - sum(len(c) for c in self.cycles) / (len(self.cycles) * self.n_devices)
+
+    def simulate(self, duration: Callable[[Task], float]) -> tuple[float, float]:
+        """(makespan, bubble) when each device runs its order strictly in turn, a task starting once its device is free
+        and what it waits for has finished, and ``duration(task)`` long; bubble = idle share of K x makespan."""
+        finish: dict[Task, float] = {}
+        free = [0.0] * self.n_devices
+        for cycle in self.cycles:  # the cycles order every task after what it waits for
+            for t in cycle:
+                d = self.device_of(t.stage)
+                start = max([free[d]] + [finish[p] for p in _deps(t, self.n_stages)])
+                finish[t] = free[d] = start + duration(t)
+        span = max(free)
+        busy = sum(duration(t) for t in finish)
+        return span, (1 - busy / (span * self.n_devices)) if span else 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first broken rule. Dependencies in strictly earlier cycles and at most
@@ -150,7 +225,7 @@ class Schedule:
         when: dict[Task, int] = {}
         for c, cycle in enumerate(self.cycles):
             for t in cycle:
-                if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks and t.kind in ("F", "B")):
+                if not (0 <= t.stage < self.n_stages and 0 <= t.micro_batch < self.chunks and t.kind in "FBW"):
                     raise ValueError(f"task {t!r} at cycle {c} is out of range")
                 if t in when:
                     raise ValueError(f"task {t!r} runs twice (cycles {when[t]} and {c})")
@@ -158,7 +233,8 @@ class Schedule:
             busy = [self.device_of(t.stage) for t in cycle]
             if len(set(busy)) < len(busy):
                 raise ValueError(f"device {next(d for d in busy if busy.count(d) > 1)} runs two tasks at cycle {c}")
-        kinds = ("F", "B") if any(t.kind == "B" for t in when) else ("F",)
+        present = {t.kind for t in when}
+        kinds = "FBW" if "W" in present else "FB" if "B" in present else "F"
         every = {Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds}
         if (t := min(every - set(when), default=None)) is not None:
             raise ValueError(f"missing {t.kind} of micro-batch {t.micro_batch} on stage {t.stage}: "
@@ -173,8 +249,9 @@ class Schedule:
         grid = [[next((f"{t}.{t.stage}" if v > 1 else str(t) for t in c if self.device_of(t.stage) == d), ".")
                  for c in self.cycles] for d in range(self.n_devices)]
         width = max([2, len(str(len(self.cycles) - 1))] + [len(cell) for row in grid for cell in row])
-        note = ("cells: F<i>.<s> / B<i>.<s> = forward / backward of micro-batch i through stage s"
-                if v > 1 else "cells: F<i> / B<i> = forward / backward of micro-batch i") + ", . = idle"
+        what = "forward / input gradients / parameter gradients" if self.splits_backward else "forward / backward"
+        cells = " / ".join(f"{k}<i>{'.<s>' if v > 1 else ''}" for k in self.kinds)
+        note = f"cells: {cells} = {what} of micro-batch i{' through stage s' if v > 1 else ''}, . = idle"
         rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, M={self.chunks} micro-batches, "
                 f"{len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", note,
                 "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
@@ -182,3 +259,39 @@ class Schedule:
         return "\n".join(rows)
 
     __repr__ = __str__
+
+    @property
+    def kinds(self) -> str:
+        return "FBW" if self.splits_backward else "FB"
+
+
+def _zbv_order(K: int, M: int, d: int) -> list[Task]:
+    """Device d's tasks under ZB-V, as torch's ScheduleZBVZeroBubble lists them (no-ops dropped)."""
+    n = max(2 * K - 1, M)  # enough micro-batches to fill the V; those past M are dropped at the end
+    down, up = d, 2 * K - 1 - d  # the device's stage on the way down and on the way up
+    count = {(s, k): 0 for s in (down, up) for k in "FBW"}
+    order: list[Task] = []
+
+    def add(stage: int, kind: str) -> None:  # each stage's Fs, Bs and Ws each run in micro-batch order
+        order.append(Task(stage, count[(stage, kind)], kind))
+        count[(stage, kind)] += 1
+
+    for _ in range(2 * (K - d) - 1):
+        add(down, "F")
+    for _ in range(d):
+        add(up, "F"), add(down, "F")
+    for _ in range(K - d):
+        add(up, "F"), add(up, "B"), add(up, "W")
+    while count[(up, "F")] < count[(down, "F")] or count[(down, "F")] < n:
+        if count[(down, "F")] < n:
+            add(down, "F")
+        add(down, "B"), add(down, "W"), add(up, "F"), add(up, "B"), add(up, "W")
+    for _ in range(d):
+        add(down, "B"), add(up, "B")
+    for _ in range(K - d):
+        add(down, "B"), add(down, "W")
+    while count[(up, "W")] < count[(up, "B")]:
+        add(up, "W")
+    while count[(down, "W")] < count[(down, "B")]:
+        add(down, "W")
+    return [t for t in order if t.micro_batch < M]

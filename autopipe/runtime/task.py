@@ -18,6 +18,7 @@ import torch
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
 from .schedule import Schedule
+from .split_backward import WeightWork, backward_input, engine_grad
 from .timeline import Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -134,6 +135,7 @@ class StepState:
     memory: MemoryReport | None = None        # saved-bytes accounting, only when asked (it hooks every save)
     deferred: DeferredStatistics | None = None
     stages: dict[int, "StageStep"] = field(default_factory=dict)  # by id of the StageRunner
+    split_backward: bool = False    # B computes input gradients and W the parameters' (the zero-bubble schedules)
 
     @classmethod
     def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
@@ -143,7 +145,8 @@ class StepState:
                    chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(devices),
                    timeline=Timeline(schedule),
                    memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)], checkpoint) if track_memory else None,
-                   deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None)
+                   deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None,
+                   split_backward=schedule.splits_backward)
 
     def recomputes(self, micro_batch: int) -> bool:
         return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
@@ -200,6 +203,7 @@ class StageStep:
     wrt_params: list[torch.Tensor]        # what autograd differentiates for them: each, its replica or a hook-free alias
     alias_slots: list
     saved: dict[int, _Saved] = field(default_factory=dict)
+    weights: dict[int, Any] = field(default_factory=dict)  # B's result for W: a WeightWork, the gradients, or None
     param_grads: list[torch.Tensor | None] = field(default_factory=list)  # per trainable parameter, once a backward ran
     owned: list[bool] = field(default_factory=list)  # param_grads[k] is a sum made here, safe to add to in place
 
@@ -362,31 +366,61 @@ class StageRunner:
 
     # -- backward -----------------------------------------------------------------
     def backward(self, step: StepState, i: int, output_grads: list) -> list:
-        """Gradients of the stage's inputs for micro-batch ``i`` (None where there is none);
-        parameter gradients are added to the step's, in the order tasks run."""
+        """Gradients of the stage's inputs for micro-batch ``i`` (None where there is none); parameter gradients are
+        added to the step's, in the order tasks run. Under a split schedule this is B, and W adds them later."""
         self.rematerialise(step, i)
         mine = step.stages[id(self)]
         saved = mine.saved.pop(i)
+        roots, grads = self._roots(step, saved, output_grads)
+        wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        input_grads: list = [None] * len(saved.inputs)
+        if not roots or not (wrt_inputs or mine.wrt_params):
+            mine.weights[i] = None
+            return input_grads
+        begun = step.timeline.begin(self.stage.device)
+        inputs = [saved.inputs[k] for k in wrt_inputs]
+        with self._ambient(step):
+            if step.split_backward and wrt_inputs and mine.wrt_params:
+                got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
+            else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it)
+                got = _grad(roots, grads, inputs + mine.wrt_params)
+                mine.weights[i] = list(got[len(wrt_inputs):])
+        step.timeline.end(begun, self.index, i, "backward", self.stage.device)
+        for k, g in zip(wrt_inputs, got):
+            input_grads[k] = g
+        if not step.split_backward:
+            self.backward_weight(step, i)
+        return input_grads
+
+    def backward_weight(self, step: StepState, i: int) -> None:
+        """W: the parameter gradients of micro-batch ``i``, from what its B kept, added to the step's in task order;
+        then its graph is freed."""
+        mine = step.stages[id(self)]
+        work = mine.weights.pop(i)
+        if isinstance(work, WeightWork):
+            begun = step.timeline.begin(self.stage.device)
+            with self._ambient(step):
+                work = work.run()
+            step.timeline.end(begun, self.index, i, "weight", self.stage.device)
+        if work is not None:
+            _add_param_grads(mine, work)
+
+    def _roots(self, step: StepState, saved: _Saved, output_grads: list) -> tuple[list, list]:
+        """The outputs that get a gradient, and their gradients on the stage's device."""
         roots, grads = [], []
         for out, g in zip(saved.outputs, output_grads):
             if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 roots.append(out)
                 grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams,
                                                                      step.ambient.streams))
-        wrt_inputs = [k for k, x in enumerate(saved.inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-        input_grads: list = [None] * len(saved.inputs)
-        if not roots or not (wrt_inputs or mine.wrt_params):
-            return input_grads
-        begun = step.timeline.begin(self.stage.device)
-        with contextlib.nullcontext() if step.ambient.plain else contextlib.ExitStack() as stack:
-            if stack is not None:
-                step.ambient.enter(stack, self.stage.device)
-            got = _grad(roots, grads, [saved.inputs[k] for k in wrt_inputs] + mine.wrt_params)
-        step.timeline.end(begun, self.index, i, "backward", self.stage.device)
-        for k, g in zip(wrt_inputs, got):
-            input_grads[k] = g
-        _add_param_grads(mine, got[len(wrt_inputs):])
-        return input_grads
+        return roots, grads
+
+    def _ambient(self, step: StepState) -> contextlib.AbstractContextManager:
+        if step.ambient.plain:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        step.ambient.enter(stack, self.stage.device)
+        return stack
 
     def take_grads(self, step: StepState) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The step's (parameter, gradient) pairs, forgotten here: AccumulateGrad then takes each without a copy."""
@@ -398,8 +432,7 @@ class StageRunner:
 def _grad(roots: list, grads: list, wrt: list) -> tuple:
     """``torch.autograd.grad(roots, wrt, grads, allow_unused=True)`` without its per-input Python checks (~0.5 us a
     parameter): the engine call it ends in (torch/autograd/__init__.py, ``_engine_run_backward``)."""
-    return torch.autograd.Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, tuple(wrt),
-                                                                 True, False)
+    return engine_grad(roots, grads, wrt, keep_graph=False)
 
 
 def _add_param_grads(mine: StageStep, grads: tuple) -> None:

@@ -12,13 +12,13 @@ import torch
 
 from .schedule import Schedule
 
-_MARK = {"forward": "F", "recompute": "R", "backward": "B"}
+_MARK = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W"}
 
 
 class Event(NamedTuple):
     stage: int
     micro_batch: int
-    kind: str          # "forward", "recompute" or "backward"
+    kind: str          # "forward", "recompute", "backward" or "weight" (W: parameter gradients, split schedules)
     start: float       # seconds, time.perf_counter()
     end: float
 
@@ -76,7 +76,7 @@ class Timeline:
         return sum(e.end - e.start for e in self.device_events(device))
 
     def ran(self, device: int) -> list[str]:
-        """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>; R<i> a recompute)."""
+        """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>, W<i>; R<i> a recompute)."""
         suffix = self.schedule.virtual_stages > 1
         return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "") for e in self.device_events(device)]
 
@@ -103,7 +103,9 @@ class Timeline:
         t0, span = self.start, self.makespan or 1e-9
         rows = [f"Timeline of the last step: {s.name} schedule, {s.n_devices} devices x {s.chunks} micro-batches"
                 f"{f', {s.virtual_stages} stages per device' if s.virtual_stages > 1 else ''}, {1e3 * self.makespan:.1f} ms",
-                "  a task is drawn as F (forward), R (recompute) or B (backward) then its micro-batch (mod 10) repeated over its time; '.' idle"]
+                f"  a task is drawn as F (forward), R (recompute), B (backward)"
+                f"{', W (parameter gradients)' if s.splits_backward else ''} then its micro-batch (mod 10) repeated over "
+                "its time; '.' idle"]
         for d in range(s.n_devices):
             cells = ["."] * width
             for e in self.device_events(d):

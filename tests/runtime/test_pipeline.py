@@ -9,7 +9,8 @@ from torch import nn
 import autopipe
 from zoo import GPT, MLP
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 1)]
+STAGES_PER_DEVICE = {"interleaved": 2, "zbv": 2}
 
 
 def plain_grads(model, x, y):
@@ -32,7 +33,7 @@ def test_every_schedule_gives_the_plain_models_gradients_in_float64(schedule, v,
     torch.testing.assert_close(loss, F.mse_loss(model(x), y), rtol=0, atol=1e-12)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12, msg=n)
-    assert pipe.plan.n_stages == devices * v
+    assert pipe.plan.n_stages == devices * STAGES_PER_DEVICE.get(schedule, 1)
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
@@ -67,6 +68,47 @@ def test_1f1b_holds_at_most_k_micro_batches_on_the_first_stage():
             peak = max(peak, live)
         held[schedule] = peak
     assert held == {"gpipe": 16, "1f1b": 4}
+
+
+def _in_flight(pipe, stage):
+    """Micro-batches whose forward ran and whose graph is not yet freed: by its backward, or by its W where the
+    stage's backward is split (the first stage's, whose input needs no gradient, is one task: B)."""
+    events = sorted((e for e in pipe.timeline.events if e.stage == stage), key=lambda e: e.start)
+    last = "weight" if any(e.kind == "weight" for e in events) else "backward"
+    live = peak = 0
+    for e in events:
+        live += 1 if e.kind == "forward" else -1 if e.kind == last else 0
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("schedule,bound", [("zb-h1", 4), ("zbv", 8)])
+def test_zero_bubble_holds_at_most_k_or_2k_micro_batches_on_the_first_stage(schedule, bound):
+    """ZB-H1 keeps 1F1B's K; ZB-V's first stage holds half the layers, 2K micro-batches of them (K=4, M=16). A
+    stage 1 whose input needs a gradient runs B and W apart and holds each graph until its W."""
+    torch.manual_seed(0)
+    pipe = autopipe.compile(MLP(depth=8), devices=4, chunks=16, checkpoint="never", schedule=schedule)
+    pipe.step(torch.randn(32, 8), target=torch.randn(32, 4), loss_fn=F.mse_loss)
+    assert _in_flight(pipe, 0) == bound
+    assert any(e.kind == "weight" and e.stage == 1 for e in pipe.timeline.events)
+    assert _in_flight(pipe, 1) <= bound
+
+
+@pytest.mark.parametrize("split,fused,v", [("zb-h1", "1f1b", 1), ("zbv", "interleaved", 2)])
+def test_zero_bubble_gradients_equal_1f1bs_bit_for_bit(split, fused, v):
+    """B then W computes every gradient from the same values as a fused backward, and W adds a stage's micro-batches
+    in 1F1B's order; the V cut of 2K stages is interleaved's (float32, dropout, tied embedding, recompute)."""
+    grads = {}
+    for schedule, stages, checkpoint in ((fused, v, "never"), (split, 1, "always")):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
+        pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint, schedule=schedule,
+                                virtual_stages=stages)
+        ids = torch.randint(0, 64, (8, 16))
+        torch.manual_seed(5)
+        pipe.step(ids, target=ids, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+        grads[schedule] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(grads[fused][n], grads[split][n]) for n in grads[fused])
 
 
 def test_pipe_call_under_1f1b_asks_for_step_and_works_without_grad():

@@ -18,13 +18,21 @@ from autopipe.runtime.schedule import Schedule, Task
 # -- an independent executor and rule checker ---------------------------------------
 
 def inputs(t, n_stages):
+    if t.kind == "W":
+        return {Task(t.stage, t.micro_batch, "B")}
     if t.kind == "F":
         return {Task(t.stage - 1, t.micro_batch, "F")} if t.stage else set()
     return {Task(t.stage, t.micro_batch, "F")} | (
         {Task(t.stage + 1, t.micro_batch, "B")} if t.stage + 1 < n_stages else set())
 
 
-def run_in_order(s, tf=1, tb=2):
+def device(s, stage):
+    """Round robin, or zbv's V: device d holds stages d and 2K-1-d."""
+    K = s.n_devices
+    return 2 * K - 1 - stage if s.name == "zbv" and stage >= K else stage % K
+
+
+def run_in_order(s, tf=1, tb=2, tw=1):
     """Simulate K workers running device_order(d) strictly in order, a task starting once
     its inputs finished and its worker is free. Returns the makespan; raises on deadlock."""
     orders = [s.device_order(d) for d in range(s.n_devices)]
@@ -36,7 +44,7 @@ def run_in_order(s, tf=1, tb=2):
             while head[d] < len(order) and inputs(order[head[d]], s.n_stages) <= finish.keys():
                 t = order[head[d]]
                 start = max([free[d]] + [finish[p] for p in inputs(t, s.n_stages)])
-                finish[t] = free[d] = start + (tf if t.kind == "F" else tb)
+                finish[t] = free[d] = start + {"F": tf, "B": tb, "W": tw}[t.kind]
                 head[d] += 1
                 progress = True
     stuck = [order[h] for h, order in zip(head, orders) if h < len(order)]
@@ -49,7 +57,7 @@ def violations(s):
     """The rules, re-derived: counts, inputs in earlier cycles, one task per device per cycle,
     device orders consistent with the cycles, and executable without deadlock."""
     tasks = [t for c in s.cycles for t in c]
-    kinds = "FB" if any(t.kind == "B" for t in tasks) else "F"
+    kinds = "FBW" if any(t.kind == "W" for t in tasks) else "FB" if any(t.kind == "B" for t in tasks) else "F"
     want = {Task(j, i, k) for j in range(s.n_stages) for i in range(s.chunks) for k in kinds}
     bad = []
     if len(tasks) != len(set(tasks)) or set(tasks) != want:
@@ -58,13 +66,13 @@ def violations(s):
     if any(p not in when or when[p] >= when[t] for t in when for p in inputs(t, s.n_stages)):
         bad.append("an input not done in an earlier cycle")
     for cycle in s.cycles:
-        devices = [t.stage % s.n_devices for t in cycle]
+        devices = [device(s, t.stage) for t in cycle]
         if len(devices) != len(set(devices)):
             bad.append("a device runs two tasks in one cycle")
     for d in range(s.n_devices):
         order = s.device_order(d)
         if [when[t] for t in order] != sorted(when[t] for t in order) or \
-                sorted(order) != sorted(t for t in tasks if t.stage % s.n_devices == d):
+                sorted(order) != sorted(t for t in tasks if device(s, t.stage) == d):
             bad.append(f"device {d}'s order disagrees with the cycles")
     if not bad:
         try:
@@ -80,7 +88,7 @@ def interleavable(K, M):
 
 @st.composite
 def schedules(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]))
     K, M = draw(st.integers(1, 6)), draw(st.integers(1, 16))
     if name != "interleaved":
         return Schedule.build(name, K, M)
@@ -98,8 +106,9 @@ def test_every_schedule_keeps_the_rules_and_runs_without_deadlock(s):
     fwd = s.forward_only()
     assert violations(fwd) == [] and all(t.kind == "F" for c in fwd.cycles for t in c)
     fwd.validate()
-    assert s.stages_on(0) == list(range(0, s.n_stages, s.n_devices))
+    assert s.stages_on(0) == ([0, s.n_stages - 1] if s.name == "zbv" else list(range(0, s.n_stages, s.n_devices)))
     for d in range(s.n_devices):
+        assert all(device(s, j) == d for j in s.stages_on(d))
         assert [s.device_of(j) for j in s.stages_on(d)] == [d] * (s.n_stages // s.n_devices)
         assert [t for t in fwd.device_order(d)] == [t for t in s.device_order(d) if t.kind == "F"]
 
@@ -266,7 +275,7 @@ def test_build_by_name_and_errors():
     s = Schedule.build("interleaved", 4, 8, virtual_stages=2)
     assert (s.name, s.n_stages, s.n_devices, s.chunks) == ("interleaved", 8, 4, 8)
     assert s.stages_on(1) == [1, 5] and s.device_of(6) == 2
-    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b, interleaved"):
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b, interleaved, zb-h1, zbv"):
         Schedule.build("pipedream", 4, 8)
     with pytest.raises(ValueError, match="virtual_stages >= 2"):
         Schedule.build("interleaved", 4, 8)
@@ -276,3 +285,88 @@ def test_build_by_name_and_errors():
         Schedule.build("interleaved", 3, 16, virtual_stages=2)
     with pytest.raises(ValueError, match="at least one"):
         Schedule.build("interleaved", 0, 4, virtual_stages=2)
+
+
+# -- zero bubble: B (input gradients) and W (parameter gradients) as tasks of their own ---------
+
+def test_zero_bubble_tables_beat_1f1b():
+    """Qi et al. (ICLR 2024) with F = B = W = 1 and 1F1B's fused backward 2, at K=4, M=8: ZB-H1's bubble is (K-1)
+    of 3M + K - 1 (1F1B's 3(K-1) of 3(M+K-1)), at most 0.45 of 1F1B's; ZB-V's (2K stages of half the layers) at most
+    0.25 of it. Simulated here by the test's own executor, and by Schedule.simulate alike."""
+    K, M = 4, 8
+    one_f = Schedule.one_f_one_b(K, M)
+    zb, v = Schedule.zb_h1(K, M), Schedule.zbv(K, M)
+    bubble = lambda s, span, work: 1 - work / (span * s.n_devices)
+    base = bubble(one_f, run_in_order(one_f, tf=1, tb=2), 3 * M * K)
+    zb_bubble = bubble(zb, run_in_order(zb, tf=1, tb=1, tw=1), 3 * M * K)
+    v_bubble = bubble(v, run_in_order(v, tf=0.5, tb=0.5, tw=0.5), 3 * M * K)  # each of 2K stages: half the layers
+    assert run_in_order(zb, tf=1, tb=1, tw=1) == 3 * M + K - 1
+    assert zb_bubble <= 0.45 * base and v_bubble <= 0.25 * base, (base, zb_bubble, v_bubble)
+    assert zb_bubble / base == pytest.approx(0.407, abs=1e-3) and v_bubble / base == pytest.approx(0.216, abs=1e-3)
+    unit = {"F": 1, "B": 1, "W": 1}
+    assert one_f.simulate(lambda t: {"F": 1, "B": 2}[t.kind])[1] == pytest.approx(base)
+    assert zb.simulate(lambda t: unit[t.kind])[1] == pytest.approx(zb_bubble) == pytest.approx(zb.bubble_fraction)
+    assert v.simulate(lambda t: unit[t.kind])[1] == pytest.approx(v_bubble) == pytest.approx(v.bubble_fraction)
+
+
+def test_zero_bubble_in_flight_stays_at_1f1bs_memory():
+    """Counted until W frees a micro-batch's graph: ZB-H1 holds K on every device, ZB-V 2K half-stages on the
+    first (2K-d-... down the V); never more than 1F1B's activations, at K=4, M=16 and everywhere else."""
+    assert Schedule.zb_h1(4, 16).max_in_flight(0) == 4
+    assert Schedule.zbv(4, 16).max_in_flight(0) == 8
+    for K, M in itertools.product(range(1, 7), range(1, 17)):
+        zb, v = Schedule.zb_h1(K, M), Schedule.zbv(K, M)
+        assert [zb.max_in_flight(j) for j in range(K)] == [min(M, K)] * K
+        for d in range(K):  # device d: its two stages' half-size micro-batches, at most 2K of them
+            live = peak = 0
+            for t in v.device_order(d):
+                live += {"F": 1, "B": 0, "W": -1}[t.kind]
+                peak = max(peak, live)
+            assert peak <= 2 * K and v.max_in_flight(0) <= 2 * K
+
+
+def test_zero_bubble_orders_match_torch():
+    """Our ZB-H1 device orders are torch's ScheduleInterleavedZeroBubble with one stage per rank, ZB-V's its
+    ScheduleZBVZeroBubble's (no-ops dropped)."""
+    schedules_mod = pytest.importorskip("torch.distributed.pipelining.schedules")
+    kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    zb_calc = getattr(schedules_mod.ScheduleInterleavedZeroBubble, "_calculate_single_rank_operations", None)
+    v_calc = getattr(schedules_mod.ScheduleZBVZeroBubble, "_calculate_single_rank_operations", None)
+    if zb_calc is None or v_calc is None:
+        pytest.skip("torch's private schedule tables moved")
+    for K, M in [(2, 4), (4, 8), (4, 16), (3, 5), (4, 3), (1, 4), (5, 7)]:
+        zb, v = Schedule.zb_h1(K, M), Schedule.zbv(K, M)
+        zb_fake = types.SimpleNamespace(n_local_stages=1, pp_group_size=K, _n_microbatches=M,
+                                        microbatches_per_round=M // max(1, M // K))
+        v_fake = types.SimpleNamespace(pp_group_size=K, _n_microbatches=M, num_stages=2 * K)
+        for d in range(K):
+            for ours, calc, fake in ((zb, zb_calc, zb_fake), (v, v_calc, v_fake)):
+                theirs = [(a.stage_index, a.microbatch_index, kind[a.computation_type.name])
+                          for a in calc(fake, d) if a is not None]
+                assert [(t.stage, t.micro_batch, t.kind) for t in ours.device_order(d)] == theirs, (ours.name, K, M, d)
+
+
+def test_zero_bubble_prints_builds_and_names_errors():
+    v = Schedule.build("zbv", 2, 4)
+    assert (v.name, v.n_stages, v.n_devices, v.virtual_stages, v.splits_backward) == ("zbv", 4, 2, 2, True)
+    assert v.stages_on(0) == [0, 3] and v.stages_on(1) == [1, 2] and v.device_of(2) == 1
+    assert Schedule.build("zbv", 2, 4, virtual_stages=2) == v
+    lines = str(v).splitlines()
+    assert lines[0].startswith("zbv schedule: K=2 devices, v=2 stages per device, M=4")
+    assert "W<i>.<s>" in lines[1] and "parameter gradients" in lines[1]
+    assert lines[3].split()[2:6] == ["F0.0", "F1.0", "F2.0", "F0.3"]
+    zb = Schedule.build("zb-h1", 2, 3)
+    assert str(zb).splitlines()[3].split() == ["device", "0", "F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "B2", "W2"]
+    assert not Schedule.build("1f1b", 2, 3).splits_backward
+    assert [t for c in zb.forward_only().cycles for t in c] == [t for c in Schedule.gpipe(2, 3, backward=False).cycles
+                                                                for t in c]
+    with pytest.raises(ValueError, match="'zbv' runs two stages per device"):
+        Schedule.build("zbv", 2, 4, virtual_stages=3)
+    with pytest.raises(ValueError, match="'zb-h1' runs one stage per device"):
+        Schedule.build("zb-h1", 2, 4, virtual_stages=2)
+    one = Schedule.zb_h1(2, 1)
+    with pytest.raises(ValueError, match="missing W of micro-batch 0 on stage 1"):
+        replace(one, cycles=tuple(tuple(t for t in c if t != Task(1, 0, "W")) for c in one.cycles)).validate()
+    with pytest.raises(ValueError, match="dependency broken"):  # a W before its B
+        replace(one, cycles=tuple((Task(*t),) for t in [(0, 0, "F"), (1, 0, "F"), (1, 0, "W"), (1, 0, "B"),
+                                                         (0, 0, "B"), (0, 0, "W")])).validate()

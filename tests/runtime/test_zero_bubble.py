@@ -1,0 +1,107 @@
+"""The zero-bubble schedules (zb-h1, zbv) in process: the plain model's gradients in float64 on the test zoo under
+every checkpoint mode, one replay per re-materialised forward, and the features 1F1B has: tied weights, parameter
+hooks, deferred BatchNorm, and pipe(x) refused for training as under 1F1B."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopipe
+from zoo import GPT, build, random_inputs, tensor_leaves
+
+NAMES = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs", "masked", "moe"]
+
+
+def per_sample_loss(output, rows):
+    """A loss whose micro-batch parts, weighted by their share of the rows, add up to the whole batch's: a sum over
+    each sample's elements divided by the rows (``rows``: a tensor of one row a sample), a 0-dim output linearly."""
+    total = 0
+    for k, t in enumerate(tensor_leaves(output)):
+        if t.is_floating_point():
+            total = total + ((t * (k + 1)).sin().sum() / rows.shape[0] if t.dim() else t * (k + 1))
+    return total
+
+
+def as_double(args, kwargs):
+    cast = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_the_zoo_trains_as_the_plain_model_in_float64(name, schedule):
+    model = build(name).double().eval()  # BatchNorm's batch statistics and dropout's masks are per micro-batch in
+    # train mode, as under every schedule: test_pipeline.py compares those with 1F1B's bit for bit
+    args, kwargs = as_double(*random_inputs(name, 8, torch.Generator().manual_seed(1)))
+    rows = torch.zeros(8)
+    plain = copy.deepcopy(model)
+    per_sample_loss(plain(*args, **kwargs), rows).backward()
+    for checkpoint in ("never", "except_last", "always"):
+        model.zero_grad(set_to_none=True)
+        pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint, schedule=schedule)
+        pipe.step(*args, **kwargs, target=rows, loss_fn=per_sample_loss)
+        for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=f"{checkpoint}: {n}")
+        recomputed = [(e.stage, e.micro_batch) for e in pipe.timeline.events if e.kind == "recompute"]
+        assert len(recomputed) == len(set(recomputed))  # each re-materialised forward replays once
+        assert len(recomputed) == {"never": 0, "except_last": 3, "always": 4}[checkpoint] * pipe.plan.n_stages
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_parameter_hooks_run_once_on_the_whole_gradient(schedule):
+    """As under 1F1B: a tensor hook on a parameter sees the step's whole gradient once (a normalising hook would
+    differ on per-micro-batch parts), then its post-accumulate hook runs once."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Linear(4, 4) for _ in range(8))).double(), torch.randn(8, 4, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    calls = {"model": 0, "plain": 0}
+    for key, m in (("model", model), ("plain", plain)):
+        m[3].weight.register_hook(lambda g: g / g.norm())
+        m[7].bias.register_post_accumulate_grad_hook(lambda p, key=key: calls.__setitem__(key, calls[key] + 1))
+    plain(x).mean().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4, schedule=schedule)
+    pipe.step(x, target=None, loss_fn=lambda out, _: out.mean())
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=n)
+    assert calls == {"model": 1, "plain": 1}
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_deferred_batch_norm_statistics_and_gradients_equal_1f1bs(schedule):
+    results = {}
+    for name in ("1f1b", schedule):
+        model = build("resnet").double()
+        x = torch.randn(8, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        pipe = autopipe.compile(model, devices=2, chunks=4, schedule=name, deferred_batch_norm=True)
+        for _ in range(2):
+            pipe.step(x, target=None, loss_fn=lambda out, _: out.square().mean())
+        results[name] = {**dict(model.named_buffers()), **{n: p.grad for n, p in model.named_parameters()}}
+    for n, value in results["1f1b"].items():
+        torch.testing.assert_close(results[schedule][n], value, rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_tied_weights_across_the_v_and_pipe_call_refused_for_training(schedule):
+    """GPT's embedding and LM head are one tensor; under zbv both ends of the V are device 0's. Training through
+    pipe(x) (so autograd.grad or backward(inputs=...)) is refused naming pipe.step, as under 1F1B; without grad it
+    runs."""
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0).double()
+    ids = torch.randint(0, 64, (8, 16))
+    lm_loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+    plain = copy.deepcopy(model)
+    lm_loss(plain(ids), ids).backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4, schedule=schedule)
+    pipe.step(ids, target=ids, loss_fn=lm_loss)
+    assert model.wte.weight is model.lm_head.weight
+    torch.testing.assert_close(model.wte.weight.grad, plain.wte.weight.grad, rtol=0, atol=1e-12)
+    if schedule == "zbv":
+        assert pipe.schedule.device_of(0) == pipe.schedule.device_of(pipe.plan.n_stages - 1) == 0
+    with pytest.raises(RuntimeError, match="pipe.step"):
+        torch.autograd.grad(lm_loss(pipe(ids), ids), [model.wte.weight])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(ids), model(ids))
