@@ -11,6 +11,17 @@ from tabulate import tabulate
 
 
 @dataclass(frozen=True)
+class TargetCount:
+    """How one micro-batch counts what a mean-reduced cross-entropy or NLL loss divides by: its class-index targets
+    not equal to ``ignore_index``, each weighed by the class weight where there is one (torch's ``total_weight``).
+    The micro-batches' means, weighted by these counts over their sum, are the plain model's mean."""
+
+    target: str                 # the node of the targets, computed from the model's inputs alone
+    ignore_index: int
+    weight: str | None = None   # the qualified name of the class-weight tensor
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """A value that leaves one stage: a cross-cut tensor or a graph output."""
 
@@ -25,7 +36,9 @@ class TensorInfo:
     rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch at any batch (a (batch * seq, ...) tensor: seq); 0: not the batch
     merges: bool = True         # an output whose micro-batch parts concatenate to the plain value (each sample's rows together)
     mixes_samples: tuple[str, ...] = ()  # (the node it is computed from that mixes samples, how): u @ v.T of two batches
-    scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum" or "unknown"
+    scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum", "count" or "unknown"
+    count: TargetCount | None = None  # scalar_merge "count": the mean weighted by each micro-batch's count of targets
+    selected_rows: bool = False  # dim 0: rows a mask selected from the batch's rows, in their order (x[mask]): parts concatenate
 
     @property
     def batched(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopipe.plan import Plan, StagePlan, TensorInfo
+from autopipe.plan import Plan, StagePlan, TargetCount, TensorInfo
 from autopipe.random_ops import aten_overloads, bind, is_random_target, op_name, signature_of
 from .cost import CostedGraph
 from .custom_gradients import FunctionCall
@@ -75,6 +75,10 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
                       f"targets), not for a product of batch means (a load-balancing loss); a loss summed and divided by the whole batch's count (Hugging "
                       f"Face's num_items_in_batch) merges exactly"
                       for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.scalar_merge == "unknown")
+    plan.notes.extend(f"output {name}: a mean over the targets {info.count.target} not equal to {info.count.ignore_index}"
+                      f"{' weighed by ' + info.count.weight if info.count.weight else ''}: merged exactly, each micro-batch's mean "
+                      f"weighted by its count of them over the batch's (counted from the inputs before the step)"
+                      for name, info in plan.tensors.items() if chunks > 1 and info.is_output and info.count)
     return plan
 
 
@@ -155,9 +159,11 @@ def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, ba
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
     from_batch = _from_batch(gm)
-    merges = _scalar_merges(gm, from_batch)
+    merges, counted = _scalar_merges(gm, from_batch)
     together = _samples_together(gm, from_batch)
-    mixed = _samples_mixed(gm, from_batch)
+    interleaved = _interleaved_rows(gm)
+    misread, selected = _selections_misread(gm, from_batch, interleaved, set(counted))
+    mixed = _samples_mixed(gm, from_batch, interleaved, misread)
     readers: dict[fx.Node, set[int]] = {}  # the stages that read each value; a replicated node's are its readers'
     for n in reversed(placeholders + nodes):
         readers[n] = set().union(*(readers[u] if u in free else {stage_of[u]} for u in n.users if u in free or u in stage_of))
@@ -172,7 +178,8 @@ def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, ba
         later = sorted(readers[n] - {s})
         assert not later or later[0] > s, f"node {n.name} feeds an earlier stage: the order is not topological"
         if later or n in output_args or s < 0:
-            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together, mixed.get(n, ()))
+            tensors[n.name] = _info(n, s, later, n in output_args, merges.get(n, "mean"), n in together, mixed.get(n, ()),
+                                    counted.get(n), n in selected)
             if s >= 0:
                 sent[s].append(n.name)
             for c in later:
@@ -212,9 +219,12 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
             "BCELoss": "binary_cross_entropy", "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
-def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, str]:
+def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> tuple[dict[fx.Node, str], dict[fx.Node, TargetCount]]:
     """How each 0-dim float output merges over micro-batches: "mean" (a mean over samples, or no batch in it: the size-weighted mean), "sum" (a sum
-    over samples, or one divided by a number the batch does not set, as Hugging Face's ``num_items_in_batch``), or "unknown"."""
+    over samples, or one divided by a number the batch does not set, as Hugging Face's ``num_items_in_batch``), "count" (a cross-entropy's mean
+    over the targets it does not ignore, whose targets come from the inputs alone: weighted by each micro-batch's count of them, the second
+    result), or "unknown"."""
+    counted: dict[fx.Node, TargetCount] = {}  # a "count" node -> how a micro-batch counts its targets
 
     def reduction(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -242,17 +252,22 @@ def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
         first = n.args[0] if n.args else None
         if name in ("mean", "sum") and rows_per_sample(first) == 1 and not n.meta["val"].dim():
             return name
+        if name in _TARGET_MEANS and reduction(n) == "mean" and (count := _target_count(gm, n)) is not None:
+            counted[n] = count
+            return "count"
         if (name in _LOSSES or name in _TARGET_MEANS) and rows_per_sample(first) == 1:
             how = reduction(n)
             return "sum" if how == "sum" else "mean" if how in ("mean", "batchmean") and name in _LOSSES else "unknown"
         if name in _PASS_THROUGH:
-            return kind(first, n)
+            return carry(n, kind(first, n), first)
         if name in ("div", "truediv", "mul") and len(n.args) == 2:
             a, b = n.args
             if name == "mul" and a not in from_batch:
                 a, b = b, a
             if b not in from_batch:
-                return "unknown" if (n.meta.get("batch_literal") or n.meta.get("literals_unknown")) and not isinstance(b, fx.Node) else kind(a, n)
+                if (n.meta.get("batch_literal") or n.meta.get("literals_unknown")) and not isinstance(b, fx.Node):
+                    return "unknown"
+                return carry(n, kind(a, n), a)
             sizes = b.op == "call_function" and op_name(b.target) == "sym_size" or b.op == "call_method" and b.target == "size"
             if name != "mul" and sizes and b.args[1:2] in ((0,), [0]) and rows_per_sample(b.args[0]) == 1 and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
@@ -263,14 +278,63 @@ def _scalar_merges(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node
                 return kinds.pop()
         return "unknown"
 
+    def carry(n: fx.Node, how: str, source: Any) -> str:  # a view, cast or constant factor of a counted mean is counted the same
+        if how == "count":
+            counted[n] = counted[source]
+        return how
+
     def last_write(n: fx.Node) -> fx.Node:  # loss.div_(n) without "loss =": the output node is the one before
         while writes := [u for u in n.users if u.args[:1] == (n,) and _is_inplace(u)]:
             n = writes[-1]
         return n
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    return {n: kind(last_write(n)) for n in output.all_input_nodes
-            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+    merges = {n: kind(last_write(n)) for n in output.all_input_nodes
+              if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
+    return merges, counted
+
+
+def _target_count(gm: fx.GraphModule, n: fx.Node) -> TargetCount | None:
+    """How a micro-batch counts the targets of a mean-reduced cross-entropy or NLL node ``n``: possible where its targets are class
+    indices computed from the model's inputs alone (``labels[:, 1:]``, ``labels[labels != -100]``), so that every micro-batch's
+    count is known before its loss runs, and its class weights are a tensor the model holds."""
+    if n.op == "call_module":
+        module = gm.get_submodule(n.target)
+        target = n.args[1] if len(n.args) > 1 else n.kwargs.get("target")
+        ignore_index = module.ignore_index
+        weight = f"{n.target}.weight" if getattr(module, "weight", None) is not None else None
+    else:
+        bound = bind(n.target, n.args, n.kwargs) or {}
+        target, ignore_index, weight = bound.get("target"), bound.get("ignore_index", -100), bound.get("weight")
+        if isinstance(weight, fx.Node):
+            weight = weight.target if weight.op == "get_attr" else False
+    if weight is False or not isinstance(target, fx.Node) or not isinstance(ignore_index, int) or not _from_inputs_alone(gm, target):
+        return None
+    val = target.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.dtype == torch.bool:
+        return None  # class probabilities: a mean over rows
+    return TargetCount(target=target.name, ignore_index=ignore_index, weight=weight)
+
+
+def _from_inputs_alone(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """``n`` is computed from the graph's inputs and constants by functions alone: no parameter, module or random op, so
+    it can be computed before the step (passes/codegen.py's ``count_program``)."""
+    seen, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op in ("call_module", "output") or m.op == "get_attr" and isinstance(_attr(gm, m.target), torch.nn.Parameter) \
+                or m.op in ("call_function", "call_method") and is_random_target(m.target):
+            return False
+        todo.extend(m.all_input_nodes)
+    return True
+
+
+def _attr(gm: fx.GraphModule, qualified: str) -> Any:
+    owner, _, attr = qualified.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr, None)
 
 
 # a new shape over the same row-major order: a sample's rows stay together
@@ -367,15 +431,15 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
-def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
+def _samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node],
+                   misread: dict[fx.Node, str]) -> dict[fx.Node, tuple[str, str]]:
     """Each value computed from one that mixes samples -> (that node, how): one holding the batch in two dims (trace's "pairs_samples"), or a
     reshape into rows of samples (one row a sample) of rows that are not in sample order: of a value whose dim 0 is not the batch (row-major order
     puts parts of several samples in a row), or of a flatten of one whose batch is in a later dim (``h.transpose(0, 1).reshape(-1, d)``: rows in
     sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d) round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
     written: dict[fx.Node, tuple[str, str]] = {}  # a storage (view root) written in place with a value that mixes samples -> how
-    interleaved = _interleaved_rows(gm)
-    views, misread = _views(gm), _selections_misread(gm, from_batch, interleaved)
+    views = _views(gm)
     for n in gm.graph.nodes:
         source = n.all_input_nodes[0] if n.op in ("call_function", "call_method") and n.all_input_nodes else None
         reshape, v = op_name(n.target) in _RESHAPES, source.meta.get("val") if source is not None else None
@@ -443,12 +507,15 @@ _SAME_ORDER = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatte
 _ALONG_DIM_MODULES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.Softmax, torch.nn.LogSoftmax)
 
 
-def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node]) -> dict[fx.Node, str]:
+def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node],
+                        counted: set[fx.Node] = frozenset()) -> tuple[dict[fx.Node, str], set[fx.Node]]:
     """Each node computed from rows selected by value (x[mask], nonzero, torch.where) other than as the plain model computes it, under
-    micro-batches -> why. Proven: positions of a mask over batch rows (each micro-batch numbers its own rows from 0), used only as indices of the
+    micro-batches -> why; and the values whose dim 0 is rows selected from the batch's rows in their order, which concatenate.
+    Proven: positions of a mask over batch rows (each micro-batch numbers its own rows from 0), used only as indices of the
     dims they came from, of batch rows or of selected rows of the same number; the rows they select, computed row by row with their number
-    kept; their counts only as the sizes of views; and the rows put back into batch rows where they were taken. Anything else (arithmetic on
-    the positions, a parameter indexed by them, a mean, sort or slice over the rows, a count in arithmetic) would differ between micro-batches."""
+    kept, or averaged over by a cross-entropy merged by count (``counted``); their counts only as the sizes of views; and the rows put back
+    into batch rows where they were taken. Anything else (arithmetic on the positions, a parameter indexed by them, a mean, sort or slice
+    over the rows, a count in arithmetic) would differ between micro-batches."""
     positions: dict[fx.Node, tuple[fx.Node, int | None]] = {}  # -> (its nonzero / where, the dim of the mask it holds; None: all, as (n, ndim))
     rows: dict[fx.Node, fx.Node] = {}  # -> the mask, or nonzero / where, that selected them: row i is its i-th true entry
     counts: set[fx.Node] = set()
@@ -601,6 +668,8 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
         if not selected and not dd:
             continue
         if not dd:
+            if n in counted and len({rows[a] for a in selected}) == 1:
+                continue  # a cross-entropy's mean over rows one mask selected: merged by each micro-batch's count of them
             if name not in _SHAPE_ONLY:
                 found[n] = f"reads rows selected by value ({selected[0].name}) other than row by row or put back where they were taken"
             continue
@@ -637,7 +706,7 @@ def _selections_misread(gm: fx.GraphModule, from_batch: set[fx.Node], interleave
             rows[n] = rows[selected[0]]
         else:
             found[n] = f"computes from rows selected by value ({selected[0].name}) other than row by row"
-    return found
+    return found, {n for n in rows if (n.meta.get("selected_rows") or (None,))[0] == 0}
 
 
 def _module_of(n: fx.Node) -> torch.nn.Module | None:
@@ -750,7 +819,8 @@ def rows_per_sample(n: Any) -> int:
     return n.meta.get("rows_per_sample", 0) if isinstance(n, fx.Node) else 0
 
 
-def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, mixed: tuple[str, ...]) -> TensorInfo:
+def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: str, together: bool, mixed: tuple[str, ...],
+          count: TargetCount | None = None, selected: bool = False) -> TensorInfo:
     """What crosses a cut, as the wire needs it: shapes at the whole batch, Python values by kind. An output of k rows a sample (k > 1) whose rows
     ``_samples_together`` cannot show stay together, or one computed from a value that mixes samples, does not merge: refused."""
     val = n.meta.get("val")
@@ -762,5 +832,6 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, scalar_merge: s
     elif isinstance(val, (tuple, list, torch.Size)) and all(isinstance(v, (int, torch.SymInt)) for v in val):
         kind, shape = "size", (len(val),)
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer, consumers=tuple(consumers),
-                      is_output=is_output, kind=kind, rows_per_sample=rows, merges=(not shape or rows == 1 or rows > 1 and together) and not mixed,
-                      mixes_samples=mixed, scalar_merge=scalar_merge)
+                      is_output=is_output, kind=kind, rows_per_sample=rows,
+                      merges=(not shape or rows == 1 or rows > 1 and together or selected) and not mixed, mixes_samples=mixed,
+                      scalar_merge=scalar_merge, count=count if scalar_merge == "count" else None, selected_rows=selected)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -191,24 +192,38 @@ class DistributedPipeline(torch.nn.Module):
         flat = traced.flat_inputs(args, kwargs)
         traced.check_grad_flags(self.model, flat)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
-        local = [dict(zip(traced.input_names, row)) for row in microbatch.split(flat, sizes)]
+        rows = microbatch.split(flat, sizes)
+        local = [dict(zip(traced.input_names, row)) for row in rows]
         schedule = self._schedule(len(sizes))
         state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint, schedule=schedule,
                                 deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False, devices=self.options.devices[:1])
         last, loss = len(self.options.devices) - 1, None
         if last in runners:
-            loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, last_stage=last,
-                        targets=microbatch.split_target(target, sizes), weights=[s / sum(sizes) for s in sizes])
+            loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, targets=microbatch.split_target(target, sizes),
+                        sizes=sizes, plan=self._program.plan, output_counts=[self._program.count_targets(row) for row in rows])
         for runner in runners.values():
             runner.start_step(state)
         transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()
+        scale = self._grad_scale(loss) if loss_fn is not None else None
         for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
-            accumulate_grads(runner.take_grads(state))
+            accumulate_grads([(p, g if g is None or scale is None else g * scale) for p, g in runner.take_grads(state)])
         self._reduce_gradients()
         return loss.total if loss is not None else None
+
+    def _grad_scale(self, loss: Loss | None) -> float | None:
+        """A loss_fn returning (sum, count) backpropagates the sums: every rank of the pipeline divides its gradients by
+        the whole count, which only the last stage's rank knows (runtime/loss.py)."""
+        scale = loss.grad_scale if loss is not None else None
+        if self.n_ranks > 1:
+            device = next(iter(self._runners.values())).stage.device
+            box = torch.tensor([math.nan if scale is None else scale], dtype=torch.float64, device=device)
+            last_rank = self.replica * self.n_ranks + (len(self.options.devices) - 1) % self.n_ranks
+            dist.broadcast(box, src=last_rank, group=self.pipeline_groups[self.replica])
+            scale = None if math.isnan(box.item()) else box.item()
+        return scale
 
     def _reduce_gradients(self) -> None:
         for name, group in self._shared:

@@ -36,20 +36,24 @@ def split(inputs: Sequence[torch.Tensor], sizes: list[int]) -> list[list[torch.T
 
 
 def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | None = None,
-          name: str = "output") -> torch.Tensor:
+          name: str = "output", counts: Sequence[float] | None = None) -> torch.Tensor:
     """Concatenated, each part holding the same number of rows a sample (a (batch * seq, ...) tensor flattened
     batch-major; ``traced``: as the trace saw it, its other dims too); a 0-dim float (a loss computed inside the
-    model): the micro-batch-size-weighted mean, or the sum where ``traced`` says it sums over samples. Parts no
+    model): the micro-batch-size-weighted mean, the sum where ``traced`` says it sums over samples, or the mean weighted by
+    ``counts`` where it is a mean over targets a micro-batch counts (a part over no targets is nan and weighs 0). Parts no
     concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
     refused."""
     if len(parts) == 1 or (parts[0].dim() == 0 and not parts[0].is_floating_point()):
         return parts[0]
     if parts[0].dim() == 0:
-        return sum(parts) if traced is not None and traced.scalar_merge == "sum" else \
-            sum(p * (s / sum(sizes)) for p, s in zip(parts, sizes))
+        if traced is not None and traced.scalar_merge == "count" and counts is not None and not sum(counts):
+            return sum(parts)  # no targets in the whole batch: nan, as the plain model's mean
+        return sum(p * w for p, w in zip(parts, scalar_weights(sizes, traced, counts)) if w)
     rows = [p.shape[0] for p in parts]
     k = (traced.rows_per_sample if traced.merges else 0) if traced is not None else rows[0] // sizes[0]
     other_dims = traced.shape[1:] if traced is not None else parts[0].shape[1:]
+    if traced is not None and traced.selected_rows and traced.merges:
+        k, sizes = 1, rows  # as many rows as each micro-batch's mask selected
     if k == 0 or rows != [k * s for s in sizes] or any(p.shape[1:] != other_dims for p in parts):
         shapes = [tuple(p.shape) for p in parts]
         raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
@@ -59,15 +63,24 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
     return torch.cat(list(parts))
 
 
+def scalar_weights(sizes: list[int], traced: TensorInfo | None = None, counts: Sequence[float] | None = None) -> list[float]:
+    """What each micro-batch's 0-dim output weighs in :func:`merge`: 1 for a sum, its share of the targets for a mean
+    over counted targets, its share of the rows otherwise."""
+    how = traced.scalar_merge if traced is not None else "mean"
+    if how == "sum":
+        return [1.0] * len(sizes)
+    if how == "count" and counts is not None and sum(counts):
+        return [c / sum(counts) for c in counts]
+    return [s / sum(sizes) for s in sizes]
+
+
 def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int],
-               traced: TensorInfo | None = None) -> list[torch.Tensor | None]:
+               traced: TensorInfo | None = None, counts: Sequence[float] | None = None) -> list[torch.Tensor | None]:
     """The gradient of :func:`merge`'s output, back on each of its ``parts``."""
     if grad is None or len(parts) == 1:
         return [grad] * len(sizes)
     if parts[0].dim() == 0:
-        if traced is not None and traced.scalar_merge == "sum":
-            return [grad] * len(sizes)
-        return [grad * (s / sum(sizes)) for s in sizes]
+        return [grad * w for w in scalar_weights(sizes, traced, counts)]
     return list(torch.split(grad, [p.shape[0] for p in parts]))
 
 

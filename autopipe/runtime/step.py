@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from autopipe.passes.codegen import count_program
 from autopipe.passes.trace import carries_batch
 
 from . import microbatch
@@ -30,10 +31,20 @@ class Program:
     stages: list                # passes.codegen.Stage
     runners: list[StageRunner] = field(init=False)
     readers: dict[str, int] = field(init=False)  # how many gradients a value gets: its consumer stages, the output
+    counts: torch.fx.GraphModule | None = field(init=False)  # a micro-batch's count of targets per output merged by count
 
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
         self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
+        self.counts = count_program(self.traced.graph_module, self.plan) if self.stages else None
+
+    def count_targets(self, flat: list) -> dict[str, float]:
+        """Each output merged by count -> this micro-batch's count of its targets (one host sync)."""
+        if self.counts is None:
+            return {}
+        names = [n for n in self.plan.graph_outputs if self.plan.tensors[n].count]
+        with torch.no_grad():
+            return dict(zip(names, torch.stack([c.double() for c in self.counts(*flat)]).tolist()))
 
 
 @dataclass
@@ -167,6 +178,7 @@ class _Run:
             devices=pipe.devices)
         self.input_grad = [training and t.requires_grad for t in flat]
         rows = microbatch.split(flat, self.sizes)
+        self.counts = [program.count_targets(row) for program, row in zip(self.programs, rows)]  # by output name
         self.mailbox = Mailbox(self.programs, rows, self.input_grad)
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
@@ -210,14 +222,18 @@ class _Run:
         if self.state.deferred is not None:
             self.state.deferred.commit()
         tensors = self.plan.tensors
-        return [microbatch.merge(self._parts(name), self.sizes, tensors.get(name), f"the model's output {name}")
-                for name in self.plan.graph_outputs]
+        return [microbatch.merge(self._parts(name), self.sizes, tensors.get(name), f"the model's output {name}",
+                                 self._counts(name)) for name in self.plan.graph_outputs]
+
+    def _counts(self, name: str) -> list[float] | None:
+        """Each micro-batch's count of the targets output ``name`` averages over, where it merges by count."""
+        return [c[name] for c in self.counts] if self.counts[0] and name in self.counts[0] else None
 
     def _parts(self, name: str) -> list[torch.Tensor]:
         return [self.mailbox.value(i, name) for i in range(self.chunks)]
 
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name))
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name), self._counts(name))
                  for name, grad in zip(self.plan.graph_outputs, grad_outputs)]
         for i in range(self.chunks):
             self.mailbox.send_final_grads(i, [p[i] for p in parts])
@@ -237,14 +253,15 @@ class _Run:
                     report.cuda_peak, report.device = peak, str(stage.device)
 
     def step(self, targets: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
-        loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets,
-                    weights=[s / self.batch for s in self.sizes], last_stage=self.compiled.plan.n_stages - 1)
+        loss = Loss(fn=loss_fn, rebuild=self.compiled.traced.rebuild_output, targets=targets, sizes=self.sizes,
+                    plan=self.plan, output_counts=self.counts)
         self._note_peaks()
         self._execute(self.schedule, "FB", loss=loss)
         self._cuda_peaks()
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        accumulate_grads(list(zip(self.params, self._param_grads())))
+        grads, scale = self._param_grads(), loss.grad_scale
+        accumulate_grads([(p, g if g is None or scale is None else g * scale) for p, g in zip(self.params, grads)])
         return loss.total
 
     def _input_grads(self) -> list[torch.Tensor | None]:
