@@ -6,7 +6,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(if $(shell $(PY) -c "import torch" 2>/dev/null && echo y),--system-site-packages,) $(VENV)
@@ -27,6 +27,12 @@ bench: install
 	$(VPY) benchmarks/partition.py
 	$(VPY) benchmarks/overhead.py
 	$(VPY) benchmarks/speedup.py
+
+# On a lent GPU machine (no network; its python3's CUDA torch, pytest and transformers are kept): the CUDA tests and
+# benchmarks/gpu.py, every result under OUT (the device machine sets it), in under 8 minutes on an H100 (.ci/gpu.sh).
+gpu:
+	@test -n "$(OUT)" || { echo "make gpu OUT=<folder>: the folder the results go to (the device machine sets OUT)"; exit 2; }
+	bash .ci/gpu.sh "$(OUT)"
 
 clean:
 	rm -rf $(VENV) *.egg-info
