@@ -3,7 +3,8 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's res
 
 Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
 ``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``moe`` (experts given the rows routed to them),
-``skip`` (a skip connection and an early model output between ranks), ``trap`` (a failure injected on one rank; see :class:`Trap`).
+``skip`` (a skip connection and an early model output between ranks), ``trap`` (a failure injected on one rank;
+see :class:`Trap`), ``zoo`` (float64 gradients of the small zoo's NAMES under SCHEDULE, for every checkpoint mode).
 """
 import json
 import os
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root: zoo/
 import autopipe  # noqa: E402
-from zoo import GPT, build, random_inputs  # noqa: E402
+from zoo import GPT, build, random_inputs, tensor_leaves  # noqa: E402
 
 OUT_DIR = "."
 
@@ -116,6 +117,23 @@ class TrapModel(nn.Module):
         return self.out(self.trap2(h))
 
 
+def per_sample_loss(output, rows):
+    """A loss whose micro-batch parts, weighted by their share of the rows, add up to the whole batch's: a sum over
+    each sample's elements divided by the rows (``rows``: a tensor of one row a sample), a 0-dim output linearly."""
+    total = 0
+    for k, t in enumerate(tensor_leaves(output)):
+        if t.is_floating_point():
+            total = total + ((t * (k + 1)).sin().sum() / rows.shape[0] if t.dim() else t * (k + 1))
+    return total
+
+
+def double_inputs(name: str):
+    """``random_inputs(name)`` of 8 rows in float64, the same on every rank."""
+    args, kwargs = random_inputs(name, 8, torch.Generator().manual_seed(1))
+    cast = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -204,8 +222,8 @@ def main():
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 64, (16, 16), generator=g)
         target = torch.randint(0, 64, (16, 16), generator=g)
-        pipe = autopipe.compile(model, chunks=4, timeout=30, schedule="interleaved" if v > 1 else "gpipe",
-                                virtual_stages=v)
+        pipe = autopipe.compile(model, chunks=4, timeout=30, virtual_stages=v,
+                                schedule=os.environ.get("SCHEDULE", "interleaved" if v > 1 else "gpipe"))
         from autopipe.runtime.p2p import P2PTransport
         from autopipe.runtime.wire import WireSpec
         posts = []  # (send?, peer, tag) in the order this rank posts them: NCCL would match each pair in this order
@@ -232,6 +250,19 @@ def main():
         loss = pipe.step(x.double(), target=target, loss_fn=F.mse_loss)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "zoo":  # eval mode: BatchNorm's and dropout's per micro-batch draws are tested against 1F1B
+        grads = {}
+        for name in os.environ["NAMES"].split(","):
+            args, kwargs = double_inputs(name)
+            for checkpoint in ("never", "except_last", "always"):
+                model = build(name).double().eval()
+                pipe = autopipe.compile(model, chunks=4, timeout=30, checkpoint=checkpoint,
+                                        schedule=os.environ["SCHEDULE"])
+                pipe.step(*args, **kwargs, target=torch.zeros(8), loss_fn=per_sample_loss)
+                grads[f"{name}/{checkpoint}"] = {n: p.grad.clone() for n, p in pipe.named_parameters()
+                                                 if p.grad is not None}
+                pipe.close()
+        torch.save({"grads": grads, "stages": pipe.stage_indices}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":
         pipe = trap(rank, world)
     elif scenario == "meta":

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
+from dist_worker import double_inputs, per_sample_loss
 from zoo import GPT, build, random_inputs
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
@@ -97,7 +98,8 @@ def lm_loss(logits, target):
 
 
 @pytest.mark.parametrize("world,checkpoint,schedule", [(2, "except_last", "gpipe"), (4, "always", "gpipe"),
-                                                      (4, "except_last", "1f1b"), (2, "always", "interleaved")])
+                                                      (4, "except_last", "1f1b"), (2, "always", "interleaved"),
+                                                      (4, "always", "zb-h1"), (2, "except_last", "zbv")])
 def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, checkpoint, schedule):
     v = 2 if schedule == "interleaved" else 1  # interleaved: each rank holds 2 of the 4 stages
     run = launch("gpt", world, tmp_path, CHECKPOINT=checkpoint, SCHEDULE=schedule, VIRTUAL_STAGES=v)
@@ -110,8 +112,9 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, check
     pipe = autopipe.compile(model, devices=world, chunks=4, checkpoint=checkpoint, schedule=schedule, virtual_stages=v)
     torch.manual_seed(100)
     loss = pipe.step(ids, target=target, loss_fn=lm_loss)
-    assert results[-1]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
-    assert all(r["losses"] == [None, None] for r in results[:-1])
+    loss_rank = pipe.schedule.device_of(pipe.plan.n_stages - 1)  # zbv: the V turns back to rank 0
+    assert results[loss_rank]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
+    assert all(r["losses"] == [None, None] for k, r in enumerate(results) if k != loss_rank)
     seen = set()
     for r in results:
         for name, grad in r["grads"].items():
@@ -119,7 +122,34 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, check
             seen.add(name)
     assert seen >= {n for n, _ in model.named_parameters()}  # every parameter got its gradient somewhere
     # the tied embedding / LM head: summed across the first and the last rank, so both copies agree
-    torch.testing.assert_close(results[0]["grads"]["wte.weight"], results[-1]["grads"]["lm_head.weight"])
+    head = results[loss_rank]["grads"]  # zbv: rank 0 holds both ends, one tensor under the name wte.weight
+    torch.testing.assert_close(results[0]["grads"]["wte.weight"], head.get("lm_head.weight", head["wte.weight"]))
+
+
+@pytest.mark.parametrize("world,schedule,names", [(2, "zb-h1", "gpt,two_inputs,masked,moe"),
+                                                   (2, "zbv", "gpt,two_inputs,masked,moe"),
+                                                   (4, "zb-h1", "gpt,two_inputs"), (4, "zbv", "gpt,two_inputs")])
+def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, schedule, names):
+    """zb-h1 and zbv over 2 and 4 gloo ranks, every checkpoint mode: each parameter's gradient, on each rank that
+    holds it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's tied embedding and head on
+    rank 0)."""
+    run = launch("zoo", world, tmp_path, SCHEDULE=schedule, NAMES=names)
+    assert run.codes == [0] * world, run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    if schedule == "zbv":
+        assert [r["stages"] for r in results] == [[d, 2 * world - 1 - d] for d in range(world)]
+    for name in names.split(","):
+        model = build(name).double().eval()
+        args, kwargs = double_inputs(name)
+        per_sample_loss(model(*args, **kwargs), torch.zeros(8)).backward()
+        expected = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+        for checkpoint in ("never", "except_last", "always"):
+            seen = set()
+            for r in results:
+                for n, grad in r["grads"][f"{name}/{checkpoint}"].items():
+                    torch.testing.assert_close(grad, expected[n], rtol=0, atol=1e-10, msg=f"{name}/{checkpoint}: {n}")
+                    seen.add(n)
+            assert seen >= {n for n, _ in model.named_parameters()}, (name, checkpoint)
 
 
 def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):

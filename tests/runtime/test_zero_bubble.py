@@ -9,24 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopipe
-from zoo import GPT, build, random_inputs, tensor_leaves
+from dist_worker import double_inputs, per_sample_loss
+from zoo import GPT, build
 
 NAMES = ["mlp", "resnet", "unet", "gpt", "kwargs", "dataclass", "two_inputs", "masked", "moe"]
-
-
-def per_sample_loss(output, rows):
-    """A loss whose micro-batch parts, weighted by their share of the rows, add up to the whole batch's: a sum over
-    each sample's elements divided by the rows (``rows``: a tensor of one row a sample), a 0-dim output linearly."""
-    total = 0
-    for k, t in enumerate(tensor_leaves(output)):
-        if t.is_floating_point():
-            total = total + ((t * (k + 1)).sin().sum() / rows.shape[0] if t.dim() else t * (k + 1))
-    return total
-
-
-def as_double(args, kwargs):
-    cast = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    return [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -34,7 +20,7 @@ def as_double(args, kwargs):
 def test_the_zoo_trains_as_the_plain_model_in_float64(name, schedule):
     model = build(name).double().eval()  # BatchNorm's batch statistics and dropout's masks are per micro-batch in
     # train mode, as under every schedule: test_pipeline.py compares those with 1F1B's bit for bit
-    args, kwargs = as_double(*random_inputs(name, 8, torch.Generator().manual_seed(1)))
+    args, kwargs = double_inputs(name)
     rows = torch.zeros(8)
     plain = copy.deepcopy(model)
     per_sample_loss(plain(*args, **kwargs), rows).backward()
