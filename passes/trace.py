@@ -229,7 +229,8 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     errors: list[tuple[str, BaseException]] = []
     for name, attempt in attempts:
         try:
-            traced = attempt()
+            with hooks_kept(model):
+                traced = attempt()
             break
         except Exception as e:  # fx fails in many exception types
             errors.append((name, e))
@@ -441,6 +442,24 @@ def _assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) 
         now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
         found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
     return found
+
+
+@contextlib.contextmanager
+def hooks_kept(model: torch.nn.Module):
+    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may register hooks
+    inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way, marking the model as hooked
+    in an attribute that tracing puts back): each trace then starts from the model as the user left it, as its first call would,
+    instead of from a failed attempt's half (the hooks twice, the mark gone: 5 hidden states of 3)."""
+    tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name and isinstance(table, dict)]
+    tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_") and isinstance(t, dict)]
+    saved = [(table, dict(table)) for table in tables]
+    try:
+        yield
+    finally:
+        for table, entries in saved:
+            if table.keys() != entries.keys():
+                table.clear()
+                table.update(entries)
 
 
 @contextlib.contextmanager

@@ -93,6 +93,7 @@ class _PipelineFunction(torch.autograd.Function):
         with torch.enable_grad():  # once here, not in every task (a Function's forward runs without grad)
             outputs = run.forward()
         ctx.run = run
+        ctx.set_materialize_grads(False)  # an output the loss does not read gets None, so its parameters get None, not zeros
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
         return tuple(outputs)
 
