@@ -245,6 +245,10 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
                 chunks=None if "chunks" in auto else options.chunks, schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
                 checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,))
             report["detail"] = f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of {len(choice.candidates)} configurations"
+        if choice.schedule == "zbv":  # plan_for laid 2K stages round robin; zbv's device d holds stages d, 2K-1-d
+            v_devices = [devices[device_of_stage("zbv", K, s)] for s in range(2 * K)]
+            choice.chosen.plan = partition(costed, 2 * K, devices=v_devices, chunks=1, balance=options.balance,
+                                           tolerance=options.tolerance, notes=traced.notes)
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
     result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
     return result

@@ -21,7 +21,7 @@ from autopipe.passes.partition import NoFeasiblePlan
 from autopipe.passes.trace import fake_errors_unlogged
 from autopipe.plan import Plan
 from autopipe.plan import human_bytes as _human
-from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
+from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, stages_per_device
 from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
 
 # optimizer state per trainable parameter byte
@@ -173,7 +173,9 @@ class PredictedMemory(list):
     def __str__(self) -> str:
         formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} x trainable bytes) + kept + recompute\n"
                    "kept = in_flight x (inputs/M if recomputed else activations/M), in_flight = micro-batches whose forward is done and backward not "
-                   "(Schedule.max_in_flight: M for gpipe, K - s for 1f1b)\n"
+                   "(Schedule.max_in_flight: M for gpipe, K - s for 1f1b, K for zb-h1)\n"
+                   "zb-h1, zbv: a stage whose W runs apart holds a micro-batch's activations (recomputed or not) "
+                   "and the gradients B kept for W from B until W\n"
                    "recompute = activations/M of one recomputed micro-batch, held while its backward runs\n"
                    "activations = what autograd saves in one forward of the stage, plus inputs no op saves")
         rows = [[p.stage, p.device, _human(p.params), _human(p.grads), _human(p.optimizer_state), p.in_flight,
@@ -212,20 +214,68 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
         fixed = sum(t.nbytes for _, t in received if not t.batched)
         act = [activations * x for x in fractions]
         kept = [inputs * x + fixed if r else a for x, r, a in zip(fractions, recomputed, act)]
-        live, peak, in_flight, at_peak = 0.0, 0.0, set(), set()
-        for t in schedule.stage_order(s.index):
-            live += kept[t.micro_batch] if t.kind == "F" else -kept[t.micro_batch]
-            in_flight ^= {t.micro_batch}
-            if live > peak:
-                peak, at_peak = live, set(in_flight)
-        n_rec = sum(recomputed[i] for i in at_peak)
-        terms = ((n_rec, "inputs", inputs / n + fixed), (len(at_peak) - n_rec, "activations", activations / n))
+        split = schedule.splits_backward and _needs_input_grads(received)
+        stash = [x * sum(saved.storage_bytes[k] for k in _kept_gradients(costed, s, trainable, saved)) if split else 0.0
+                 for x in fractions]
+        peak, formula = _held(schedule.stage_order(s.index), kept, act, stash, recomputed, split,
+                              {"inputs": inputs / n + fixed, "activations": activations / n,
+                               "kept gradients": stash[0]})
+        recompute = 0.0 if split else max((a for a, r in zip(act, recomputed) if r), default=0.0)  # split: in `peak`
         grads = sum(costed.tensor_bytes.get(p, 0) for p in s.params if p in trainable)
-        stages.append(MemoryPrediction(s.index, schedule.device_of(s.index), s.param_bytes, grads, OPTIMIZER_STATE[optimizer] * grads, round(peak),
-                                       round(max((a for a, r in zip(act, recomputed) if r), default=0.0)), schedule.max_in_flight(s.index), round(sum(kept)),
-                                       " + ".join(f"{k} x {what}/M ({_human(each)})" for k, what, each in terms if k) or "0"))
+        stages.append(MemoryPrediction(s.index, schedule.device_of(s.index), s.param_bytes, grads,
+                                       OPTIMIZER_STATE[optimizer] * grads, round(peak), round(recompute),
+                                       schedule.max_in_flight(s.index), round(sum(kept)), formula))
     return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks, optimizer=optimizer,
                            virtual_stages=virtual_stages, n_devices=schedule.n_devices, bubble=schedule.bubble_fraction)
+
+
+def _needs_input_grads(received: list) -> bool:
+    """Whether a stage receives a floating tensor from another stage: its B computes input gradients, and its W runs
+    apart (a stage reading only the model's inputs does all in B: runtime/split_backward.py)."""
+    return any(t.kind == "tensor" and (t.dtype.is_floating_point or t.dtype.is_complex) for _, t in received)
+
+
+def _kept_gradients(costed: CostedGraph, stage: Any, trainable: set[str], saved: SavedTensors) -> set[int]:
+    """Storages of the outputs of the stage's nodes that read a trainable parameter: their gradients are what B keeps
+    for W (the sources' arriving gradients), at the whole batch."""
+    gm, found = costed.traced.graph_module, set()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in (*stage.nodes, *stage.replicated):
+        node = nodes[name]
+        if node.op == "call_module":
+            reads = any(f"{node.target}.{k}" in trainable for k, _ in gm.get_submodule(node.target).named_parameters())
+        else:
+            reads = any(a.op == "get_attr" and a.target in trainable for a in node.all_input_nodes)
+        if reads:
+            found |= saved.value_storages.get(name, frozenset())
+    return found
+
+
+def _held(order: list, kept: list[float], act: list[float], stash: list[float], recomputed: list[bool], split: bool,
+          each: dict[str, float]) -> tuple[float, str]:
+    """The most bytes a stage holds at once under its task order, and the formula of that moment. A forward keeps
+    ``kept``; a fused B frees it. Where W runs apart, B re-materialises (``act``) and keeps its gradients for W
+    (``stash``), and W frees them all (ZB's price: Qi et al. sec. 3.2, the activations live until W)."""
+    live, peak, phase, at_peak = 0.0, 0.0, {}, {}
+    for t in order:
+        i = t.micro_batch
+        if t.kind == "F":
+            live, phase[i] = live + kept[i], "F"
+        elif t.kind == "B" and split:
+            live, phase[i] = live + act[i] - kept[i] + stash[i], "B"
+        elif t.kind == ("W" if split else "B"):
+            live -= (act[i] + stash[i]) if split else kept[i]
+            del phase[i]
+        if live > peak:
+            peak, at_peak = live, dict(phase)
+    counts = {"inputs": sum(p == "F" and recomputed[i] for i, p in at_peak.items()),
+              "activations": sum(p == "F" and not recomputed[i] for i, p in at_peak.items())}
+    after_b = sum(p == "B" for p in at_peak.values())
+    terms = [f"{k} x {what}/M ({_human(each[what])})" for what, k in counts.items() if k]
+    if after_b:
+        both = _human(each["activations"] + each["kept gradients"])
+        terms.append(f"{after_b} x (activations + kept gradients)/M ({both})")
+    return peak, " + ".join(terms) or "0"
 
 
 def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last", chunks: int | None = None,
@@ -241,7 +291,10 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
     for s in plan.stages:
         seconds = TASK_SECONDS + OP_SECONDS * (len(s.nodes) + len(s.replicated))
         overhead = per_flop * DEVICE_FLOPS * seconds if task_overhead is None else task_overhead
-        work[schedule.device_of(s.index)] += s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks) + overhead * (2 * chunks + recomputed)
+        received = [(name, t) for name in s.inputs if (t := plan.tensors.get(name)) is not None]
+        tasks = (3 if schedule.splits_backward and _needs_input_grads(received) else 2) * chunks + recomputed  # W: one
+        compute = s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks)
+        work[schedule.device_of(s.index)] += compute + overhead * tasks
     busy = 1.0 - schedule.bubble_fraction
     return max(work) / busy if busy > 0 else math.inf
 
@@ -314,7 +367,7 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     unplanned: list[str] = []
     saved: dict[int, SavedTensors] = {}  # one fake run per graph (kept alive by plan_for's cache: ids stay unique)
     for name in schedules:
-        v = 2 if name == "interleaved" else 1
+        v = stages_per_device(name, 2 if name == "interleaved" else 1)  # zbv: 2K stages in a V
         try:
             plan, costed = plan_for(n_devices * v)
         except (ValueError, NoFeasiblePlan) as e:

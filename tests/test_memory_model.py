@@ -269,6 +269,43 @@ def test_interleaved_sums_a_devices_stages():
             > mm.predicted_step_time(two, "1f1b", "never", 4))
 
 
+def test_zero_bubble_memory_holds_each_graph_until_its_w(gpt_plan):
+    """ZB-H1 keeps K micro-batches in flight on every stage (1F1B: K - s), each held until its W with the gradients B
+    kept for W; a stage reading only the model's inputs (the embedding) does all in B and holds as under 1F1B. With
+    re-materialisation the activations B recomputes live until W, so no recompute term is added on top."""
+    costed, plan = gpt_plan
+    M, K = 8, plan.n_stages
+    for checkpoint in ("never", "always"):
+        one_f = mm.predict_memory(costed, plan, "1f1b", checkpoint, M)
+        zb = mm.predict_memory(costed, plan, "zb-h1", checkpoint, M)
+        assert [p.in_flight for p in zb] == [K] * K
+        assert zb[0].kept_activations == one_f[0].kept_activations  # stage 0: B+W in one task
+        acts = mm.predict_memory(costed, plan, "gpipe", "never", M)
+        for s in range(1, K):
+            assert zb[s].recompute_peak == 0 and zb[s].kept_activations > one_f[s].kept_activations
+            assert zb[s].kept_activations >= K * acts[s].kept_activations / M * (0.5 if checkpoint == "always" else 1)
+        assert "kept gradients" in zb[K - 1].formula
+    assert "K for zb-h1" in str(zb)
+
+
+def test_zbv_lays_2k_stages_in_a_v_and_weighs_its_smaller_bubble():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(d=128, layers=8)
+    costed = _costed(model, random_inputs("gpt", batch=16)[0])
+    v_plan = partition(costed, 8, chunks=8)
+    zbv = mm.predict_memory(costed, v_plan, "zbv", "never", 8, virtual_stages=2)
+    assert [p.device for p in zbv] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert zbv.per_device()[0] == zbv[0].total + zbv[7].total
+    assert [p.in_flight for p in zbv] == [Schedule.zbv(4, 8).max_in_flight(s) for s in range(8)]
+    assert zbv.bubble == pytest.approx(Schedule.zbv(4, 8).bubble_fraction) and zbv.bubble < 0.07
+    four = partition(costed, 4, chunks=8)
+    time = lambda plan, name, v=1: mm.predicted_step_time(plan, name, "never", 8, v, task_overhead=0)
+    assert time(v_plan, "zbv", 2) < time(four, "zb-h1") < time(four, "1f1b")  # the bubbles, same work
+    # a W per micro-batch is one more task: a fixed cost per task weighs against it on a model this small
+    assert mm.predicted_step_time(four, "zb-h1", "never", 8) > mm.predicted_step_time(four, "1f1b", "never", 8)
+
+
 # ---- choosing a configuration --------------------------------------------------------------------------------
 
 
@@ -292,12 +329,12 @@ def test_choose_picks_the_fastest_that_fits(gpt_choice):
     plan_for, calls = gpt_choice
     cap = 1.5 * 2**20
     choice = mm.choose_configuration(plan_for, batch_size=32, n_devices=4, memory_cap=cap)
-    assert sorted(calls) == [4, 8]  # one plan per stage count, whatever chunks and checkpoint
+    assert sorted(calls) == [4, 8]  # one plan per stage count, whatever chunks, checkpoint and schedule
     assert choice.chosen.fits and choice.memory.peak <= cap
     fitting = [c for c in choice.candidates if c.fits]
     assert choice.time == min(c.time for c in fitting)
     assert any(not c.fits for c in choice.candidates)  # the cap excluded something
-    assert {c.schedule for c in choice.candidates} == {"gpipe", "1f1b", "interleaved"}
+    assert {c.schedule for c in choice.candidates} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}
     assert {c.checkpoint for c in choice.candidates} == {"never", "except_last", "always"}
     assert choice.plan.n_stages == 4 * choice.virtual_stages
     text = str(choice)
@@ -330,3 +367,17 @@ def test_choose_restricted_candidates(gpt_choice):
     gpipe, one_f = sorted(choice.candidates, key=lambda c: c.schedule != "gpipe")
     assert choice.schedule == "1f1b" and choice.time == one_f.time
     assert one_f.time == pytest.approx(gpipe.time) and one_f.peak < gpipe.peak  # same time, less memory
+
+
+def test_auto_weighs_the_zero_bubble_schedules_and_plans_zbvs_v():
+    """plan(schedule="auto") weighs zb-h1 and zbv beside the others; zbv's plan has 2K stages, laid in the V."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(d=256, layers=8)
+    x = random_inputs("gpt", batch=32)[0]
+    auto = autopipe.plan(model, x, devices=4, chunks=8, schedule="auto", checkpoint="never", memory_cap=2**40)
+    assert {c.schedule for c in auto.choice.candidates} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}
+    zbv = autopipe.plan(model, x, devices=2, chunks="auto", schedule="zbv", checkpoint="never", memory_cap=2**40)
+    assert zbv.choice.schedule == "zbv" and zbv.n_stages == 4 and zbv.memory.virtual_stages == 2
+    assert [p.device for p in zbv.memory] == [0, 1, 1, 0]
+    assert "->" in zbv.choice.table()  # the chosen row is marked after the V re-plan too
