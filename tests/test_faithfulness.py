@@ -1234,3 +1234,29 @@ def test_spectral_norm_trains_like_a_loop_over_micro_batches(how, route, checkpo
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
     for (name, a), b in zip(loop.named_buffers(), model.buffers()):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
+# -- an output the loss does not read ------------------------------------------------------------
+
+class SideOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.side, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        return self.head(h), self.side(h)
+
+
+def test_parameters_only_an_unread_output_uses_get_no_gradient_as_in_the_plain_model():
+    """pipe(x) gave them zeros (the pipeline's autograd Function materialised the unread output's gradient): AdamW
+    would still decay and move them, where the plain model's optimizer skips a parameter whose .grad is None."""
+    torch.manual_seed(0)
+    model = SideOutput().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.double)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=2)
+    pipe(x)[0].pow(2).sum().backward()
+    reference(x)[0].pow(2).sum().backward()
+    assert model.side.weight.grad is None and model.side.bias.grad is None
+    assert max_relative(grads_of(model), grads_of(reference)) < 1e-12

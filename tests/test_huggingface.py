@@ -1,5 +1,6 @@
 """Unmodified Hugging Face models (small configs, random weights, no downloads) through autopipe.compile:
 outputs and every gradient equal the plain model's; stage code stays readable."""
+import copy
 import math
 
 import pytest
@@ -142,3 +143,112 @@ def test_deferred_batch_norm_tracks_statistics_over_the_whole_mini_batch():
     for (n, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
         if n.endswith("num_batches_tracked"):
             assert a.item() == b.item() == 2, n
+
+
+# -- issue 34: outputs recorded by hooks transformers installs in the forward; means over labels not ignored ------
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=96, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def test_hidden_states_recorded_by_hooks_installed_in_the_forward_are_the_plain_models():
+    """transformers 5 installs its recording hooks on the first call that asks; a failed fx attempt kept them while
+    the mark that they were installed was put back, so export installed them twice: 5 hidden states of 3, wrong."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (8, 12))
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    out, want = pipe(input_ids=ids, output_hidden_states=True), reference(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == len(want.hidden_states) == 3
+    for got, expected in zip((out.logits, *out.hidden_states), (want.logits, *want.hidden_states)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    loss, expected = sum(h.pow(2).mean() for h in out.hidden_states), sum(h.pow(2).mean() for h in want.hidden_states)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_causal_lms_loss_over_labels_with_uneven_ignored_counts_is_the_plain_models(schedule):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (8, 12))
+    labels = ids.clone()
+    labels[:2] = -100  # a prompt: the first micro-batch has no label counted
+    labels[2, :9] = -100
+    labels[5, 4:] = -100  # padding
+    pipe = autopipe.compile(model, devices=2, chunks=4, schedule=schedule)
+    loss = pipe.step(input_ids=ids, labels=labels)
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-12 * want.item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_vision_language_model_picking_a_vision_feature_layer_traces_and_is_the_plain_models():
+    """LLaVA asks its vision tower for hidden states (vision_feature_layer=-2), which transformers records with hooks it
+    installs in the forward: the trace failed ('NoneType' object is not subscriptable, the recorded states were None).
+    One micro-batch: LLaVA returns its image features as a list of one tensor a sample, which autopipe does not yet
+    merge over micro-batches (refused at chunks > 1, naming the output)."""
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                           image_size=16, patch_size=4, projection_dim=32)
+    text = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=64, vocab_size=96, max_position_embeddings=64)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=95, image_seq_length=16,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(config).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 90, (4, 24))
+    ids[:, 2:18] = 95
+    labels = ids.clone()
+    labels[:, :18] = -100
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(4, 3, 16, 16, dtype=torch.double), "labels": labels}
+    pipe = autopipe.compile(model, devices=2, chunks=1)
+    out, want = pipe(**inputs), reference(**inputs)
+    got_leaves, want_leaves = tensor_leaves(out), [t for k, v in want.items() if k != "cache" for t in tensor_leaves(v)]
+    assert len(got_leaves) == len(want_leaves)
+    for got, expected in zip(got_leaves, want_leaves):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="model_getitem"):
+        autopipe.compile(copy.deepcopy(reference), devices=2, chunks=2)(**inputs)
+
+
+def test_modernberts_sparse_prediction_head_merges_by_its_count_of_masked_tokens():
+    """The logits of the masked positions only (rows selected by value) and their mean cross-entropy: refused before
+    ('no merge of what 4 micro-batches give'). transformers computes that loss in float32 even in a float64 model,
+    hence float32's tolerance."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                           vocab_size=96, max_position_embeddings=32, sparse_prediction=True,
+                                           global_attn_every_n_layers=1, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                           cls_token_id=2, sep_token_id=1)
+    model = transformers.ModernBertForMaskedLM(config).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 96, (8, 12))
+    labels = torch.full_like(ids, -100)
+    labels[torch.rand(8, 12, generator=torch.Generator().manual_seed(1)) < 0.3] = 5
+    labels[:2] = -100  # a micro-batch with no masked token
+    pipe = autopipe.compile(model, devices=2, chunks=4)
+    out, want = pipe(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")

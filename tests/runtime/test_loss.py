@@ -1,0 +1,247 @@
+"""Losses that average over a count the data sets (issue 34): cross-entropy's mean over the targets it does not
+ignore, inside the model or in ``pipe.step``'s loss_fn, equals the plain model's in float64 under every schedule;
+a loss_fn whose mean autopipe cannot weigh is refused, not run silently wrong."""
+import copy
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopipe
+
+TOLERANCE = 1e-10
+V = 11
+
+
+def grads_of(model):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def assert_same_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert (got[name] is None) == (want[name] is None), name
+        if want[name] is not None:
+            scale = want[name].abs().max().item() or 1.0
+            assert (got[name] - want[name]).abs().max().item() / scale < TOLERANCE, name
+
+
+class Classifier(nn.Module):
+    def __init__(self, log_probs: bool = False):
+        super().__init__()
+        self.a, self.b, self.log_probs = nn.Linear(5, 7), nn.Linear(7, 4), log_probs
+
+    def forward(self, x):
+        out = self.b(torch.tanh(self.a(x)))
+        return F.log_softmax(out, -1) if self.log_probs else out
+
+
+def ignored_targets(ignore_index: int = -100):
+    """8 rows in 4 micro-batches of 2: the first all ignored, the second half ignored."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, dtype=torch.double), torch.randint(2, 4, (8,))
+    y[:3] = ignore_index
+    return x, y
+
+
+WEIGHTS = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.double)
+TORCH_LOSSES = {
+    "F.cross_entropy": (F.cross_entropy, False),
+    "CrossEntropyLoss(weight, label_smoothing)": (nn.CrossEntropyLoss(weight=WEIGHTS, label_smoothing=0.1), False),
+    "partial(F.cross_entropy, ignore_index=1)": (functools.partial(F.cross_entropy, ignore_index=1, label_smoothing=0.2), False),
+    "NLLLoss(weight)": (nn.NLLLoss(weight=WEIGHTS), True),
+    "F.nll_loss": (F.nll_loss, True),
+}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", list(TORCH_LOSSES))
+def test_pipe_step_with_torch_cross_entropy_over_ignored_targets_is_the_plain_models(name, schedule):
+    """The per-micro-batch means weighted by rows were NaN (a micro-batch of ignored targets only) and 55% off."""
+    loss_fn, log_probs = TORCH_LOSSES[name]
+    x, y = ignored_targets(getattr(loss_fn, "keywords", {}).get("ignore_index", -100))
+    model = Classifier(log_probs).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule=schedule)
+    loss = pipe.step(x, target=y, loss_fn=loss_fn)
+    want = loss_fn(reference(x), y)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+def token_sum(out, target):
+    """A mean over a mask the data sets, written by hand: its sum and its count."""
+    valid = target != -100
+    return (F.cross_entropy(out, target, reduction="none") * valid).sum() + 0.1 * (out[valid] ** 2).sum(), valid.sum()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_loss_fn_returning_sum_and_count_is_the_mean_over_the_whole_count(schedule):
+    """Any loss made exact: the sum and what it is over; the step divides by the whole count (Megatron's per-token loss)."""
+    x, y = ignored_targets()
+    model = Classifier().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule=schedule)
+    loss = pipe.step(x, target=y, loss_fn=token_sum)
+    total, count = token_sum(reference(x), y)
+    want = total / count
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+def test_a_mean_cross_entropy_inside_a_loss_fn_over_ignored_targets_is_refused():
+    x, y = ignored_targets()
+    model = Classifier().double()
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match=r"cross_entropy with reduction='mean'.*\(sum, count\)"):
+        pipe.step(x, target=y, loss_fn=lambda out, target: F.cross_entropy(out.view(-1, 4), target.view(-1)))
+    assert all(p.grad is None for p in model.parameters())  # nothing half-applied
+    full = torch.randint(0, 4, (8,))  # no ignored target: a mean over rows, weighted by rows
+    reference = copy.deepcopy(model)
+    loss = pipe.step(x, target=full, loss_fn=lambda out, target: F.cross_entropy(out.view(-1, 4), target.view(-1)))
+    want = F.cross_entropy(reference(x), full)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+# -- a loss the model computes itself ------------------------------------------------------------
+
+class CausalLM(nn.Module):
+    """A loss over shifted labels, as Hugging Face's causal LMs compute it: a mean over the labels not -100."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.emb, self.l1, self.l2, self.head = nn.Embedding(V, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, V)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.l2(torch.tanh(self.l1(self.emb(ids))))))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1)), logits
+
+
+class SparseMaskedLM(CausalLM):
+    """A sparse prediction head (ModernBERT's ``sparse_prediction``): the logits of the masked positions only, rows
+    selected by value, and the mean cross-entropy over them."""
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.l2(torch.tanh(self.l1(self.emb(ids)))))
+        labels = labels.view(-1)
+        h = h.view(labels.shape[0], -1)
+        masked = labels != -100
+        logits = self.head(h[masked])
+        return F.cross_entropy(logits, labels[masked]), logits
+
+
+def labelled_tokens():
+    """Uneven -100 counts per micro-batch of 2 rows: none counted in the first, 3 in the third."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, V, (8, 6))
+    labels = ids.clone()
+    labels[:2] = -100
+    labels[4, 3:] = -100
+    labels[5, :4] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("model_type", [CausalLM, SparseMaskedLM])
+def test_a_models_mean_over_labels_not_ignored_merges_by_count(model_type, route):
+    ids, labels = labelled_tokens()
+    torch.manual_seed(0)
+    model = model_type().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, route=route)
+    (loss, logits), (want, want_logits) = pipe(ids, labels), reference(ids, labels)
+    assert [t.scalar_merge for t in pipe.plan.tensors.values() if t.is_output and not t.shape] == ["count"]
+    assert "merged exactly, each micro-batch's mean weighted by its count" in str(pipe.plan)
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=0)  # the sparse head's: the rows each micro-batch selected
+    loss.backward()
+    want.backward()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipe_step_weighs_the_models_own_loss_by_its_count_of_labels(schedule):
+    """1F1B runs the first micro-batch's backward before the later forwards: the counts come before the step."""
+    ids, labels = labelled_tokens()
+    torch.manual_seed(0)
+    model = CausalLM().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule=schedule)
+    loss = pipe.step(ids, labels, loss_fn=lambda out, _: out[0])
+    want = reference(ids, labels)[0]
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+class SummedLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, y, n_items):
+        return F.mse_loss(self.lin(x), y, reduction="sum") / n_items  # Hugging Face's loss under num_items_in_batch
+
+
+def test_pipe_step_does_not_reweigh_a_loss_the_model_sums():
+    """pipe(x) summed such a loss over micro-batches; pipe.step weighed it by rows as well (a quarter of it at 4 chunks)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 3, dtype=torch.double)
+    n_items = torch.tensor(24.0, dtype=torch.double)
+    model = SummedLoss().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4)
+    loss = pipe.step(x, y, n_items)
+    want = reference(x, y, n_items)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+class TargetsFromActivations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.lin(x)
+        pseudo = out.detach().argmax(-1).masked_fill(x[:, 0] > 0, -100)  # pseudo-labels: set by the weights, not the data
+        return F.cross_entropy(out, pseudo)
+
+
+def test_targets_the_weights_set_are_not_counted_ahead_and_the_plan_says_so():
+    model = TargetsFromActivations()
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, example_inputs=(torch.randn(8, 4),))
+    assert [t.scalar_merge for t in pipe.plan.tensors.values() if t.is_output] == ["unknown"]
+    assert "cannot read as a mean or a sum over its samples" in str(pipe.plan)
+
+
+def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_path, monkeypatch):
+    """Under torchrun only the last stage's rank runs the loss: the counts are its own, and the scale of a (sum, count)
+    loss reaches the other rank by a broadcast."""
+    import test_distributed
+    monkeypatch.setattr(test_distributed, "WORKER", os.path.join(os.path.dirname(__file__), "loss_worker.py"))
+    run = test_distributed.launch("losses", 2, tmp_path)
+    assert run.codes == [0, 0], run.log()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    x, y = ignored_targets()
+    ids, labels = labelled_tokens()
+    plain = {"F.cross_entropy": (Classifier, lambda m: F.cross_entropy(m(x), y)),
+             "(sum, count)": (Classifier, lambda m: (lambda s, c: s / c)(*token_sum(m(x), y))),
+             "the model's own": (CausalLM, lambda m: m(ids, labels)[0])}
+    for name, (model_type, loss_of) in plain.items():
+        torch.manual_seed(0)
+        reference = model_type().double()
+        want = loss_of(reference)
+        want.backward()
+        assert ranks[0][name]["loss"] is None
+        assert abs(ranks[1][name]["loss"] - want.item()) <= TOLERANCE * want.item(), name
+        got = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}
+        assert_same_grads(got, grads_of(reference))
