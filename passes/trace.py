@@ -117,7 +117,7 @@ class TracedModel:
         """``fn`` called as the traced call with ``tensors`` (proxies while tracing), its output's structure kept."""
         arguments = pytree.tree_unflatten(_fill(self.input_leaves, self.tensor_positions, tensors), self.input_spec)
         bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
-        output = register_dataclasses(fn(*bound.args, **bound.kwargs))
+        output = _per_sample_lists(register_dataclasses(fn(*bound.args, **bound.kwargs)), self.batch_size)
         if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves(output)):
             raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
         return self.keep_output_structure(output, (torch.Tensor, fx.Proxy))
@@ -128,6 +128,37 @@ class TracedModel:
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
         return tuple(leaves[i] for i in self.output_positions)
+
+
+@dataclasses.dataclass
+class PerSampleList:
+    """An output list of one tensor a sample, the rows of a tensor whose dim 0 is the batch (``list(features)``: LLaVA's
+    image features): the graph returns them stacked, which micro-batches concatenate, and the rebuilt output is a list
+    again, as long as the batch. Kept a list, the graph would have one output a sample, a number no micro-batch has."""
+
+    tensor: Any
+
+
+pytree.register_pytree_node(
+    PerSampleList, lambda p: ([p.tensor], None),
+    lambda leaves, _: list(leaves[0].unbind(0)) if isinstance(leaves[0], torch.Tensor) else PerSampleList(leaves[0]),
+    flatten_with_keys_fn=lambda p: ([(pytree.GetAttrKey("stacked"), p.tensor)], None))
+
+
+def _per_sample_lists(output: Any, batch: int) -> Any:
+    """``output`` with each list of ``batch`` tensors that are the rows of one tensor, in order (views of one storage,
+    each after the last), as a PerSampleList of them stacked."""
+    def rows_of_one(node: list) -> bool:
+        first = node[0]
+        return first._base is not None and all(
+            x._base is first._base and x.shape == first.shape and x.dtype == first.dtype and x.is_contiguous()
+            and x.storage_offset() == first.storage_offset() + i * first.numel() for i, x in enumerate(node))
+
+    def per_sample(node: Any) -> bool:
+        return isinstance(node, list) and len(node) == batch > 1 and all(isinstance(x, torch.Tensor) for x in node) \
+            and all(type(d) is int for d in node[0].shape) and rows_of_one(node)
+
+    return pytree.tree_map(lambda node: PerSampleList(torch.stack(node)) if per_sample(node) else node, output, is_leaf=per_sample)
 
 
 def grad_flags(model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> tuple:
@@ -511,7 +542,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
                 with _OpRecorder() as ops:
-                    leaves = named_leaves(model(*fake_args, **fake_kwargs))
+                    leaves = named_leaves(_per_sample_lists(model(*fake_args, **fake_kwargs), rows))
             runs.append((leaves, ops.ops))
         except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
             if not runs:

@@ -1260,3 +1260,32 @@ def test_parameters_only_an_unread_output_uses_get_no_gradient_as_in_the_plain_m
     reference(x)[0].pow(2).sum().backward()
     assert model.side.weight.grad is None and model.side.bias.grad is None
     assert max_relative(grads_of(model), grads_of(reference)) < 1e-12
+
+
+# -- an output list of one tensor a sample ---------------------------------------------------------
+
+class PerSampleFeatures(nn.Module):
+    """Returns its features as ``list(features)``, one tensor a sample, as LLaVA returns its image features."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 12), nn.Linear(4, 4)
+
+    def forward(self, x):
+        features = self.a(x).view(x.shape[0], 3, 4)
+        return self.b(torch.tanh(features)).sum(1), list(features)
+
+
+def test_an_output_list_of_one_tensor_a_sample_is_as_long_as_the_batch():
+    torch.manual_seed(0)
+    model = PerSampleFeatures().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.double)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4)
+    (out, features), (want, want_features) = pipe(x), reference(x)
+    assert isinstance(features, list) and len(features) == 8
+    for got, expected in zip([out, *features], [want, *want_features], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    (out.pow(2).sum() + sum(f[0].sum() * i for i, f in enumerate(features))).backward()
+    (want.pow(2).sum() + sum(f[0].sum() * i for i, f in enumerate(want_features))).backward()
+    assert max_relative(grads_of(model), grads_of(reference)) < 1e-12

@@ -193,11 +193,12 @@ def test_a_causal_lms_loss_over_labels_with_uneven_ignored_counts_is_the_plain_m
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_vision_language_model_picking_a_vision_feature_layer_traces_and_is_the_plain_models():
+def test_a_vision_language_model_picking_a_vision_feature_layer_is_the_plain_models():
     """LLaVA asks its vision tower for hidden states (vision_feature_layer=-2), which transformers records with hooks it
     installs in the forward: the trace failed ('NoneType' object is not subscriptable, the recorded states were None).
-    One micro-batch: LLaVA returns its image features as a list of one tensor a sample, which autopipe does not yet
-    merge over micro-batches (refused at chunks > 1, naming the output)."""
+    It returns its image features as a list of one tensor a sample (trace.PerSampleList), refused before at chunks > 1.
+    transformers computes the loss in float32 even in a float64 model, hence float32's tolerance for it and the
+    gradients; every other output is exact."""
     torch.manual_seed(0)
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                            image_size=16, patch_size=4, projection_dim=32)
@@ -211,21 +212,22 @@ def test_a_vision_language_model_picking_a_vision_feature_layer_traces_and_is_th
     ids[:, 2:18] = 95
     labels = ids.clone()
     labels[:, :18] = -100
+    labels[0, 18:22] = -100
     inputs = {"input_ids": ids, "pixel_values": torch.randn(4, 3, 16, 16, dtype=torch.double), "labels": labels}
-    pipe = autopipe.compile(model, devices=2, chunks=1)
+    pipe = autopipe.compile(model, devices=2, chunks=2)
     out, want = pipe(**inputs), reference(**inputs)
+    assert len(out.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 4
     got_leaves, want_leaves = tensor_leaves(out), [t for k, v in want.items() if k != "cache" for t in tensor_leaves(v)]
     assert len(got_leaves) == len(want_leaves)
-    for got, expected in zip(got_leaves, want_leaves):
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=0)
+    for got, expected in zip(got_leaves[1:], want_leaves[1:]):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     out.loss.backward()
     want.loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
-    with pytest.raises(ValueError, match="model_getitem"):
-        autopipe.compile(copy.deepcopy(reference), devices=2, chunks=2)(**inputs)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
 def test_modernberts_sparse_prediction_head_merges_by_its_count_of_masked_tokens():
