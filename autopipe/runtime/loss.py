@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -48,8 +49,7 @@ class Loss:
                 self.target_shares = _shares(counts)
 
     def run(self, i: int, transport: Transport) -> None:
-        leaves = [v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-                  else v for v in transport.finals(i)]
+        leaves = [_leaf(v) for v in transport.finals(i)]  # the loss's graph starts at the model's outputs
         device = next((v.device for v in leaves if isinstance(v, torch.Tensor)), None)
         target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and device else t,
                                  self.targets[i])  # on the last stage's device, which the caller need not know
@@ -62,7 +62,8 @@ class Loss:
                 loss, got = torch.zeros_like(loss.detach()), [torch.zeros_like(leaves[k]) for k in wrt]
             else:
                 loss = loss * weight
-                got = torch.autograd.grad(loss, [leaves[k] for k in wrt], allow_unused=True) if loss.requires_grad else ()
+                wrt_leaves = [leaves[k] for k in wrt]
+                got = torch.autograd.grad(loss, wrt_leaves, allow_unused=True) if loss.requires_grad else ()
         self.values[i] = loss.detach()
         grads = dict(zip(wrt, got))
         transport.send_final_grads(i, [grads.get(k) for k in range(len(leaves))])
@@ -74,12 +75,14 @@ class Loss:
             if isinstance(count, torch.Tensor) and count.requires_grad:
                 raise TypeError("pipe.step: loss_fn returned (sum, count) with a count that requires grad; return the "
                                 "number of targets the sum is over (e.g. (target != -100).sum())")
+            if self.values and not self.counts:
+                raise TypeError(_MIXED_RETURNS)
             self.counts[i] = float(count)
             _check_scalar(loss)
             return loss, 1.0  # the step divides every gradient by the whole count
         _check_scalar(loss)
         if self.counts:
-            raise TypeError("pipe.step: loss_fn returned (sum, count) for one micro-batch and a single loss for another")
+            raise TypeError(_MIXED_RETURNS)
         if self.target_shares is not None:
             return loss, self.target_shares[i]
         k = next((k for k, v in enumerate(leaves) if v is loss), None)  # the model's own loss, as model_loss returns it
@@ -99,8 +102,12 @@ class Loss:
 
     @property
     def grad_scale(self) -> float | None:
-        """What the step's gradients are multiplied by at the end: 1 / the whole count, for a loss returning (sum, count)."""
-        return 1.0 / sum(self.counts.values()) if self.counts else None
+        """What the step's gradients are multiplied by at the end: 1 / the whole count, for a loss returning
+        (sum, count)."""
+        if not self.counts:
+            return None
+        total = sum(self.counts.values())
+        return 1.0 / total if total else math.nan  # no target in the whole batch: nan, as the plain model's sum / 0
 
     @property
     def total(self) -> torch.Tensor:
@@ -108,10 +115,18 @@ class Loss:
         return total * self.grad_scale if self.counts else total
 
 
+_MIXED_RETURNS = "pipe.step: loss_fn returned (sum, count) for some micro-batches and a single loss for others"
+
+
+def _leaf(value: Any) -> Any:
+    floating = isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+    return value.detach().requires_grad_(True) if floating else value
+
+
 def _check_scalar(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"pipe.step needs loss_fn to return a scalar tensor, or (sum, count) (got {type(loss).__name__} "
-                        f"{getattr(loss, 'shape', '')})")
+        raise TypeError(f"pipe.step needs loss_fn to return a scalar tensor, or (sum, count) (got "
+                        f"{type(loss).__name__} {getattr(loss, 'shape', '')})")
 
 
 def _shares(counts: Sequence[float]) -> list[float]:
@@ -130,7 +145,8 @@ def _target_mean(fn: Any) -> tuple[int, torch.Tensor | None] | None:
 
 
 def _mean_over_targets(arguments: dict[str, Any]) -> tuple[int, torch.Tensor | None] | None:
-    """(ignore_index, weight) of a call of F.cross_entropy / F.nll_loss with these keyword arguments, if it reduces by the mean."""
+    """(ignore_index, weight) of a call of F.cross_entropy / F.nll_loss with these keyword arguments, if it reduces
+    by the mean."""
     if arguments.get("reduction", "mean") != "mean" or arguments.get("size_average") is not None \
             or arguments.get("reduce") is not None:
         return None
@@ -138,7 +154,8 @@ def _mean_over_targets(arguments: dict[str, Any]) -> tuple[int, torch.Tensor | N
 
 
 def _count_targets(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> float:
-    """What torch's mean-reduced NLL loss divides by (its ``total_weight``): the targets not ignored, each weighed by its class's weight."""
+    """What torch's mean-reduced NLL loss divides by (its ``total_weight``): the targets not ignored, each weighed by
+    its class's weight."""
     valid = target != ignore_index
     if weight is not None:
         return float((weight.to(target.device)[torch.where(valid, target, 0)] * valid).sum())
@@ -168,7 +185,8 @@ class _TargetMeans(TorchFunctionMode):
 
 def _uneven_message(uneven: tuple[str, float, int]) -> str:
     name, count, n = uneven
-    return (f"pipe.step: loss_fn calls {name} with reduction='mean', which divides by the targets it does not ignore ({count:g} of "
-            f"{n} in this micro-batch; ignore_index or class weights), so per micro-batch means weighted by rows are not the "
-            f"plain model's loss. Pass loss_fn=F.{name} (or its nn module) itself, flattening in the model, or return "
-            f"(sum, count): e.g. lambda out, y: (F.{name}(out, y, reduction='sum'), (y != -100).sum())")
+    return (f"pipe.step: loss_fn calls {name} with reduction='mean', which divides by the targets it does not ignore "
+            f"({count:g} of {n} in this micro-batch; ignore_index or class weights), so per micro-batch means weighted "
+            f"by rows are not the plain model's loss. Pass loss_fn=F.{name} (or its nn module) itself, flattening in "
+            f"the model, or return (sum, count): e.g. lambda out, y: (F.{name}(out, y, reduction='sum'), "
+            f"(y != -100).sum())")
