@@ -57,9 +57,19 @@ def _backend(device: torch.device) -> str:
     return "nccl"
 
 
-def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+_REQUIRED = object()
+
+
+def _tensor(module: torch.nn.Module, name: str, missing: Any = _REQUIRED) -> torch.Tensor:
+    """The model's tensor of that qualified name; ``missing`` where it has none (fx's ``_tensor_constant0``, export's
+    lifted constants: tensors the trace made, held by the graph, issue 29)."""
     owner_name, _, attr = name.rpartition(".")
-    return getattr(module.get_submodule(owner_name), attr)
+    try:
+        return getattr(module.get_submodule(owner_name), attr)
+    except AttributeError:
+        if missing is _REQUIRED:
+            raise
+        return missing
 
 
 class DistributedPipeline(torch.nn.Module):
@@ -162,8 +172,8 @@ class DistributedPipeline(torch.nn.Module):
         fresh: dict[int, torch.Tensor] = {}
         owners: dict[str, None] = {}  # the modules to reset, in order
         for name in (name for s in self.stage_indices for name in plan.stages[s].params):
-            t = _tensor(self.model, name)
-            if t.device.type != "meta" or id(t) in fresh:
+            t = _tensor(self.model, name, missing=None)
+            if t is None or t.device.type != "meta" or id(t) in fresh:  # None: a constant the trace made, in the graph
                 continue
             new = torch.empty_like(t, device="cpu")
             fresh[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
@@ -220,7 +230,7 @@ class DistributedPipeline(torch.nn.Module):
         if self.n_ranks > 1:
             device = next(iter(self._runners.values())).stage.device
             box = torch.tensor([math.nan if scale is None else scale], dtype=torch.float64, device=device)
-            last_rank = self.replica * self.n_ranks + (len(self.options.devices) - 1) % self.n_ranks
+            last_rank = self.replica * self.n_ranks + self.rank_of(len(self.options.devices) - 1)
             dist.broadcast(box, src=last_rank, group=self.pipeline_groups[self.replica])
             scale = None if math.isnan(box.item()) else box.item()
         return scale

@@ -243,6 +243,17 @@ def main():
         loss = pipe.step(x.double(), mask.double(), target=target, loss_fn=F.mse_loss)
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "constants":  # tensors the fx trace made (_tensor_constant*), which the model does not hold
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+        from test_placement import RelativePositionViT
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        target = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
+        pipe = autopipe.compile(RelativePositionViT().double(), chunks=2, timeout=30)
+        loss = pipe.step(x, target=target, loss_fn=F.cross_entropy)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "route": pipe.plan.route},
+                   os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "moe":  # experts take the rows routed to them, a number set by values: inside a stage, never on the wire
         (x,), _ = random_inputs("moe", 8, torch.Generator().manual_seed(1))
         target = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -152,6 +152,28 @@ def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_
             assert seen >= {n for n, _ in model.named_parameters()}, (name, checkpoint)
 
 
+def test_tensors_the_trace_made_are_no_model_attribute_under_torchrun(tmp_path):
+    """fx's _tensor_constant* (a relative-position index built in the forward): each rank looked every planned tensor
+    up in the model to materialise it and raised AttributeError (issue 29's class 2, on the torchrun path)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from test_placement import RelativePositionViT
+    run = launch("constants", 2, tmp_path)
+    assert run.codes == [0, 0], run.log()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0]["route"] == "fx"
+    torch.manual_seed(0)
+    model = RelativePositionViT().double()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    target = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
+    loss = F.cross_entropy(model(x), target)
+    loss.backward()
+    assert results[1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):
     """A (seq, seq) mask every layer reads: each rank takes it whole from its own arguments; float64, against the plain model."""
     run = launch("masked", 2, tmp_path)
