@@ -32,10 +32,10 @@ def assert_same_grads(got: dict, want: dict) -> None:
 class Classifier(nn.Module):
     def __init__(self, log_probs: bool = False):
         super().__init__()
-        self.a, self.b, self.log_probs = nn.Linear(5, 7), nn.Linear(7, 4), log_probs
+        self.a, self.m, self.b, self.log_probs = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 4), log_probs
 
     def forward(self, x):
-        out = self.b(torch.tanh(self.a(x)))
+        out = self.b(torch.tanh(self.m(torch.tanh(self.a(x)))))
         return F.log_softmax(out, -1) if self.log_probs else out
 
 
@@ -57,7 +57,7 @@ TORCH_LOSSES = {
 }
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv"])
 @pytest.mark.parametrize("name", list(TORCH_LOSSES))
 def test_pipe_step_with_torch_cross_entropy_over_ignored_targets_is_the_plain_models(name, schedule):
     """The per-micro-batch means weighted by rows were NaN (a micro-batch of ignored targets only) and 55% off."""
@@ -79,7 +79,7 @@ def token_sum(out, target):
     return (F.cross_entropy(out, target, reduction="none") * valid).sum() + 0.1 * (out[valid] ** 2).sum(), valid.sum()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv"])
 def test_a_loss_fn_returning_sum_and_count_is_the_mean_over_the_whole_count(schedule):
     """Any loss made exact: the sum and what it is over; the step divides by the whole count (Megatron's per-token loss)."""
     x, y = ignored_targets()
@@ -166,7 +166,7 @@ def test_a_models_mean_over_labels_not_ignored_merges_by_count(model_type, route
     assert_same_grads(grads_of(model), grads_of(reference))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv"])
 def test_pipe_step_weighs_the_models_own_loss_by_its_count_of_labels(schedule):
     """1F1B runs the first micro-batch's backward before the later forwards: the counts come before the step."""
     ids, labels = labelled_tokens()
