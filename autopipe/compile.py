@@ -1,5 +1,5 @@
-"""compile() and plan(): ``run_passes``, the one chain of passes (trace -> cost -> partition -> codegen) that every
-entry point calls with one :class:`Options`, then a runtime."""
+"""compile() and plan(): ``run_passes``, the one chain of passes (trace -> micro-batch analysis -> cost -> partition ->
+codegen) that every entry point calls with one :class:`Options`, then a runtime."""
 from __future__ import annotations
 
 import operator
@@ -16,6 +16,7 @@ from autopipe.global_state import preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
+from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
 from autopipe.plan import Plan
@@ -127,7 +128,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     args, kwargs = _on_model_device(model, args, kwargs)
 
     def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
-        traced, costed = _trace_and_cost(model, args, kwargs, options, static_batch, progress)
+        traced, analysis, costed = _trace_analyse_and_cost(model, args, kwargs, options, static_batch, progress)
         if traced.assigned:
             warnings.warn(f"autopipe: {type(model).__name__}'s forward assigns {listed(traced.assigned)}: the pipeline runs the traced graph, which "
                           f"computes with the assigned values but does not store them, so the model keeps the values it had before (autopipe.verify "
@@ -143,7 +144,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
         with progress.run("partition") as report:
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
-                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap)
+                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
+                             analysis=analysis)
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
@@ -205,9 +207,12 @@ def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
     return pytree.tree_map_only(torch.Tensor, move, (tuple(args), dict(kwargs or {})))
 
 
-def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):
+def _trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):
+    """The passes before the cut: trace, the micro-batch analysis of its graph (timed with trace: compile reports four
+    passes), cost."""
     with progress.run("trace") as report:
         traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route, static_batch=static_batch)
+        analysis = analyse_micro_batches(traced)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
     if options.balance == "time":
@@ -221,7 +226,7 @@ def _trace_and_cost(model, args, kwargs, options: Options, static_batch: int | N
     with progress.run("cost") as report:
         costed = cost(traced, measure_inputs=measure)
         report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
-    return traced, costed
+    return traced, analysis, costed
 
 
 def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.device], auto: list[str]) -> Plan:
@@ -232,12 +237,13 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)  # as run_passes: a GPU model's CPU example batch
     with preserved_global_state(), torch.inference_mode(False):
-        traced, costed = _trace_and_cost(model, args, kwargs, options, None, progress)
+        traced, analysis, costed = _trace_analyse_and_cost(model, args, kwargs, options, None, progress)
         K = len(devices)
 
         def plan_for(n_stages: int):
             return partition(costed, n_stages, devices=[devices[s % K] for s in range(n_stages)], chunks=1,
-                             balance=options.balance, tolerance=options.tolerance, notes=traced.notes), costed
+                             balance=options.balance, tolerance=options.tolerance, notes=traced.notes,
+                             analysis=analysis), costed
 
         with progress.run("choose") as report:
             choice = choose_configuration(
@@ -248,7 +254,7 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
         if choice.schedule == "zbv":  # plan_for laid 2K stages round robin; zbv's device d holds stages d, 2K-1-d
             v_devices = [devices[device_of_stage("zbv", K, s)] for s in range(2 * K)]
             choice.chosen.plan = partition(costed, 2 * K, devices=v_devices, chunks=1, balance=options.balance,
-                                           tolerance=options.tolerance, notes=traced.notes)
+                                           tolerance=options.tolerance, notes=traced.notes, analysis=analysis)
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
     result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
     return result
