@@ -1,7 +1,9 @@
-"""Schedules side by side: GPipe, 1F1B and interleaved 1F1B (v=2), autopipe vs torch.distributed.pipelining.
+"""Schedules side by side: GPipe, 1F1B, interleaved 1F1B (v=2) and the zero-bubble zb-h1 and zbv (Qi et al.,
+ICLR 2024), autopipe vs torch.distributed.pipelining.
 
-    python benchmarks/schedules.py            # K=2, M=8 (~3 min on 2 cores)
-    python benchmarks/schedules.py --quick    # tiny smoke test, not a measurement
+    python benchmarks/schedules.py                        # K=2, M=8, all five (~5 min on 2 cores)
+    python benchmarks/schedules.py --schedules zb-h1 zbv  # some of them
+    python benchmarks/schedules.py --quick                # tiny smoke test, not a measurement
 
 One model (zoo.transformer_like), one intra-op thread per
 device, checkpoint="never", float32, MSE loss. Rows, per schedule:
@@ -9,16 +11,18 @@ device, checkpoint="never", float32, MSE loss. Rows, per schedule:
 - autopipe, in-process: ``autopipe.compile(model, devices=2, schedule=...)``, two CPU worker threads;
 - autopipe, 2 procs:   the same call under 2 gloo processes (torchrun's environment), its own split;
 - pipelining, 2 procs: torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
-  ScheduleInterleaved1F1B on a split written by hand (2 pieces, or 4 for interleaved: rank r
-  holds pieces r and r+2), shapes inferred at a warm-up step, as its docs show.
+  ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1) /
+  ScheduleZBVZeroBubble on a split written by hand (2 pieces, or 4: rank r holds pieces r and r+2
+  for interleaved, r and 3-r in zbv's V), shapes inferred at a warm-up step, as its docs show.
+  Its rows are named by class. autopipe cuts its own stages (2K of them in the V for zbv).
 
 Step time: median of ``--steps`` steps; within each part the variants run interleaved,
 order rotated each round. Memory: the peak of activations autograd saves for backward
 (bytes, each storage once, parameters excluded) per device, counted with one
 ``saved_tensors_hooks`` for every row in an extra untimed step: the memory a schedule
-changes. "held" is the most micro-batches the first stage held at once, from
-autopipe's timeline. The gradient column is max |g - g_plain| / max |g_plain| over
-the parameters each device holds, against the plain model.
+changes. "held" is the most micro-batches the first stage held at once (until its W frees
+them where the backward is split), from autopipe's timeline. The gradient column is
+max |g - g_plain| / max |g_plain| over the parameters each device holds, against the plain model.
 """
 from __future__ import annotations
 
@@ -45,7 +49,9 @@ import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from zoo import transformer_like  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
+PIPELINING = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+              "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 K = 2
 
 
@@ -110,11 +116,13 @@ def worker_device() -> int:
 
 
 def held(timeline, stage: int) -> int:
-    """Most micro-batches whose forward ran and backward did not, on one stage, as it ran."""
+    """Most micro-batches whose forward ran and whose graph was not yet freed (by B, or by W where it runs apart),
+    on one stage, as it ran."""
+    events = sorted((e for e in timeline.events if e.stage == stage), key=lambda e: e.start)
+    last = "weight" if any(e.kind == "weight" for e in events) else "backward"
     live = peak = 0
-    for e in sorted((e for e in timeline.events if e.stage == stage and e.kind in ("forward", "backward")),
-                    key=lambda e: e.start):
-        live += 1 if e.kind == "forward" else -1
+    for e in events:
+        live += 1 if e.kind == "forward" else -1 if e.kind == last else 0
         peak = max(peak, live)
     return peak
 
@@ -146,7 +154,7 @@ def in_process(args) -> dict:
     x, y = data(args)
     plain = build(args)
     pipes, models = {}, {}
-    for name, v in SCHEDULES:
+    for name, v in args.schedule_list:
         models[name] = build(args)
         pipes[name] = autopipe.compile(models[name], devices=K, chunks=args.chunks, checkpoint="never", schedule=name,
                                        virtual_stages=v, intra_op_threads=1, example_inputs=(x,))
@@ -186,25 +194,22 @@ class Piece(nn.Module):
 
 
 def pipelining_step(model: nn.Module, rank: int, name: str, v: int, x, y, chunks: int):
-    """torch.distributed.pipelining as its docs use it: the hand split, PipelineStage(s), the schedule class."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """torch.distributed.pipelining as its docs use it: the hand split, PipelineStage(s), the schedule class (for
+    zbv the V by hand: rank r holds pieces r and 2K-1-r)."""
+    from torch.distributed import pipelining
 
     n = K * v
     bounds = [round(len(model.blocks) * k / n) for k in range(n + 1)]
-    stages = [PipelineStage(Piece(model, bounds[s], bounds[s + 1]), s, n, torch.device("cpu"))
-              for s in range(rank, n, K)]
-    if name == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=chunks, loss_fn=F.mse_loss)
-    else:
-        schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=chunks,
-                                                                      loss_fn=F.mse_loss)
+    mine = [rank, n - 1 - rank] if name == "zbv" else list(range(rank, n, K))
+    stages = [pipelining.PipelineStage(Piece(model, bounds[s], bounds[s + 1]), s, n, torch.device("cpu")) for s in mine]
+    cls = getattr(pipelining, PIPELINING[name])
+    multi = name in ("interleaved", "zb-h1", "zbv")  # the classes that take a list of stages
+    schedule = cls(stages if multi else stages[0], n_microbatches=chunks, loss_fn=F.mse_loss)
     names = {n for s in stages for n, _ in _full_names(model, s.submod)}
 
     def step():
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        inputs = (x,) if 0 in mine else ()
+        schedule.step(*inputs, **(dict(target=y, losses=[]) if n - 1 in mine else {}))
     return step, names
 
 
@@ -227,7 +232,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
             if rank == 0:
                 F.mse_loss(plain(x), y).backward()
         steps["plain"] = plain_step
-        for name, v in SCHEDULES:
+        for name, v in args.schedule_list:
             models[("autopipe", name)] = model = build(args)
             pipe = autopipe.compile(model, chunks=args.chunks, checkpoint="never", schedule=name, virtual_stages=v,
                                     example_inputs=(x,))
@@ -259,7 +264,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
             dist.barrier()
             results[k] = dict(seconds=statistics.median(times[k]), times=times[k], peak=peak.peak[0],
                               error=grad_error(models[k], reference, names[k]),
-                              held=held(pipes[k[1]].timeline, rank) if k[0] == "autopipe" and rank == 0 else None)
+                              held=held(pipes[k[1]].timeline, 0) if k[0] == "autopipe" and rank == 0 else None)
         queue.put((rank, results))
         for pipe in pipes.values():
             pipe.close()
@@ -297,7 +302,10 @@ def two_processes(args) -> list[dict]:
 def main() -> None:
     p = C.parser(__doc__)
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 11, --quick 1)")
+    p.add_argument("--schedules", nargs="+", choices=[name for name, _ in SCHEDULES],
+                   default=[name for name, _ in SCHEDULES], help="which schedules to run (default: all)")
     args = p.parse_args()
+    args.schedule_list = [(name, v) for name, v in SCHEDULES if name in args.schedules]
     args.chunks = 4 if args.quick else 8
     args.d, args.hidden, args.blocks, args.batch = (32, 64, 4, 32) if args.quick else (512, 2048, 8, 512)
     args.steps = args.steps or (1 if args.quick else 11)
@@ -306,8 +314,8 @@ def main() -> None:
     C.progress("2-process part")
     ranks = two_processes(args)
     rows = []
-    for name, v in SCHEDULES:
-        label = name + (f" v={v}" if v > 1 else "")
+    for name, v in args.schedule_list:
+        label = name + (f" v={v}" if name == "interleaved" else "")  # zbv: two stages per device, by its name
         ours, theirs = ranks[0][("autopipe", name)], ranks[0][("pipelining", name)]
         mine = local[name]
         rows.append([label, "autopipe, in-process", C.fmt_s(mine["seconds"]), "", C.fmt_x(local["plain"] / mine["seconds"]),
@@ -316,7 +324,7 @@ def main() -> None:
             peaks = [ranks[r][(who, name)]["peak"] for r in range(K)]
             other = [ranks[r][("pipelining", name)]["peak"] for r in range(K)]
             error = max(ranks[r][(who, name)]["error"] for r in range(K))
-            rows.append([label, f"{who}, 2 procs", C.fmt_s(res["seconds"]),
+            rows.append([label if who == "autopipe" else PIPELINING[name], f"{who}, 2 procs", C.fmt_s(res["seconds"]),
                          C.fmt_x(statistics.median(t / o for t, o in zip(theirs["times"], res["times"])))
                          if who == "autopipe" else "1.00x",
                          C.fmt_x(ranks[0]["plain"] / res["seconds"]), " / ".join(C.mib(b) for b in peaks),

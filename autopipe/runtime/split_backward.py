@@ -52,7 +52,8 @@ class WeightWork:
     done: list[torch.Tensor | None]   # per parameter: computed in B (a fused group), else None until W
 
     def run(self) -> list[torch.Tensor | None]:
-        """W: each group's parameter gradients from the gradients kept at its sources; the graph is freed after."""
+        """W: each group's parameter gradients from the gradients kept at its sources. Groups share no node (a node
+        reaching two groups' parameters would have joined them), so each call frees what it ran, as torch's does."""
         grads = self.done
         for group in self.groups:
             edges, given = [], []
@@ -65,7 +66,7 @@ class WeightWork:
                 edges.append(self.roots[r])
                 given.append(self.grads[r])
             if edges:
-                got = engine_grad(edges, given, [self.params[k] for k in group.params], keep_graph=True)
+                got = engine_grad(edges, given, [self.params[k] for k in group.params], keep_graph=False)
                 for k, g in zip(group.params, got):
                     grads[k] = g
             group.kept.clear()
