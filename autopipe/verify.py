@@ -19,7 +19,8 @@ import autopipe.random_ops as random_ops
 from autopipe.compile import Options, as_tuple, positive_int, resolve_devices, run_passes
 from autopipe.compile import compile as compile_pipeline
 from autopipe.global_state import preserved_global_state
-from autopipe.passes.trace import batch_rows, named_leaves, register_dataclasses
+from autopipe.passes.trace import batch_rows
+from autopipe.passes.traced_model import named_leaves, register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
 from autopipe.runtime.step import model_loss
 

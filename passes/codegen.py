@@ -20,7 +20,7 @@ import autopipe.random_ops as random_ops
 from autopipe.plan import Plan, StagePlan
 
 from .custom_gradients import FunctionCall
-from .trace import node_where
+from .diagnostics import node_where
 
 
 class Stage(fx.GraphModule):

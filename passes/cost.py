@@ -21,7 +21,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .trace import MutableArguments, TracedModel, fake_errors_unlogged, mutable, scalar_buffers_kept
+from .model_state import scalar_buffers_kept
+from .trace import MutableArguments, fake_errors_unlogged, mutable
+from .traced_model import TracedModel
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopipe.random_ops import is_random_target, op_name
 from .custom_gradients import backward_hooked, calls_restored, exporting
-from .trace import TracedModel, causes, flat_root, module_state_kept, node_where, specialises_batch, user_frame
+from .diagnostics import causes, node_where, specialises_batch, user_frame
+from .model_state import module_state_kept
+from .traced_model import TracedModel, flat_root
 
 
 class ExportRouteError(RuntimeError):

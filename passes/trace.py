@@ -1,21 +1,19 @@
-"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors. fx first, else torch.export
-(export_route.py); the routes and ``static_batch``: docs/architecture.md, "Contracts between passes"."""
+"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors (``trace(...) -> TracedModel``, traced_model.py).
+fx first, else torch.export (export_route.py); the routes and ``static_batch``: docs/architecture.md, "Contracts between
+passes". The graph runs again one row larger, and the micro-batch analysis's facts are recorded on its nodes
+(microbatch_analysis/facts.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import itertools
-import keyword
-import linecache
 import logging
 import operator
 import os
 import re
 import threading
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -30,160 +28,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopipe.global_state import preserved_global_state
 
 from .custom_gradients import FunctionCall, backward_hooked, kept_whole
+from .diagnostics import BatchSpecialised, TraceError, explain_failures, first_line, listed, source_of, specialises_batch
+from .export_route import export_flat_graph
+from .microbatch_analysis.facts import literals, record_batch_facts
+from .model_state import buffers_kept, hooks_kept, module_state_kept, scalar_buffers_kept
+from .traced_model import InputMismatch, TracedModel, flat_root, grad_flags, named_leaves, per_sample_lists
 
-
-class TraceError(RuntimeError):
-    """Neither fx nor torch.export could capture the model."""
-
-
-class BatchSpecialised(TraceError):
-    """The model's Python fixes or bounds the batch size, so no graph runs every micro-batch size: trace it again
-    with ``static_batch=<rows>`` once per micro-batch size. ``errors`` holds each route's ``(route, exception)``."""
-
-    def __init__(self, message: str, errors: list[tuple[str, BaseException]], batch_size: int):
-        super().__init__(message)
-        self.errors = errors
-        self.batch_size = batch_size
-
-
-class InputMismatch(ValueError):
-    """A call does not match the arguments the pipeline was compiled for."""
-
-
-@dataclass
-class TracedModel:
-    """A flat graph of the model and how to call it like the model: one graph input per tensor leaf of the bound
-    arguments (other leaves are baked in), one graph output per tensor leaf of the model's output."""
-
-    signature: inspect.Signature       # of model.forward, to bind a call's arguments
-    input_names: list[str]             # placeholder names, one per tensor leaf
-    input_spec: pytree.TreeSpec        # of the bound-arguments dict
-    input_leaves: list[Any]            # non-tensor leaves as traced; None where a tensor goes
-    tensor_positions: list[int]        # leaf index of each placeholder
-    example_arguments: dict[str, Any]  # argument name -> its kind when traced
-    route: str = "fx"                  # "fx", "export" or "export-static"
-    batch_size: int = 0                # dim 0 of the batch tensors it was traced with
-    graph_module: fx.GraphModule | None = None
-    output_spec: pytree.TreeSpec | None = None  # of the model's output
-    output_leaves: list[Any] = field(default_factory=list)     # non-tensor output leaves; None where a tensor goes
-    output_positions: list[int] = field(default_factory=list)  # leaf index of each flat graph output
-    forced_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to forward though the call did not
-    notes: list[str] = field(default_factory=list)
-    static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
-    assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
-    batch_inputs: list[bool] = field(default_factory=list)  # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
-    ambiguous_inputs: list[str] = field(default_factory=list)  # cut, with the batch size in another dim too, in a graph of one static size
-    grad_flags: tuple | None = None  # the inputs' and parameters' requires_grad, where the graph holds only what they gave (grad_flags)
-
-    @classmethod
-    def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
-        """The calling convention of a call with these bound arguments; the graph is still to be traced."""
-        with_paths, spec = pytree.tree_flatten_with_path(dict(arguments))
-        tensors = [i for i, (_, leaf) in enumerate(with_paths) if isinstance(leaf, torch.Tensor)]
-        return cls(signature=signature, input_names=_leaf_names([with_paths[i][0] for i in tensors]), input_spec=spec, tensor_positions=tensors,
-                   input_leaves=[None if i in tensors else leaf for i, (_, leaf) in enumerate(with_paths)],
-                   example_arguments={k: torch.empty(0) if isinstance(v, torch.Tensor) else None for k, v in arguments.items()}, **fields)
-
-    def flat_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        return self.flatten_inputs(self.signature.bind(*args, **kwargs).arguments)
-
-    def flatten_inputs(self, arguments: dict[str, Any]) -> list[torch.Tensor]:
-        """The graph's inputs for a call's bound arguments."""
-        leaves, spec = pytree.tree_flatten(dict(arguments))
-        if spec != self.input_spec:
-            raise InputMismatch(f"this call's arguments have structure {spec} but the pipeline was compiled for "
-                                f"{self.input_spec}; call it with the same arguments as the first call")
-        names = dict(zip(self.tensor_positions, self.input_names))
-        for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
-            if i in names and not isinstance(now, torch.Tensor):
-                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is {type(now).__name__} now")
-            if i not in names and not _same_constant(now, then):
-                raise InputMismatch(f"non-tensor argument #{i} was {then!r} when the pipeline was compiled and is "
-                                    f"{now!r} now; it is baked into the graph")
-        return [leaves[i] for i in self.tensor_positions]
-
-    def check_grad_flags(self, model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> None:
-        """A graph that holds a reentrant checkpoint run without grad (none of its inputs required grad) is the plain model's only while
-        no input or parameter changes requires_grad."""
-        if self.grad_flags is not None and grad_flags(model, flat_inputs) != self.grad_flags:
-            raise InputMismatch("an input or parameter changed requires_grad since the pipeline was compiled, and the model's reentrant "
-                                "torch.utils.checkpoint, whose inputs then needed no gradient, was traced to give its parameters none, as the "
-                                "plain model did; compile the pipeline again (autopipe.compile) for these settings")
-
-    def rebuild_output(self, flat: Sequence[Any]) -> Any:
-        return pytree.tree_unflatten(_fill(self.output_leaves, self.output_positions, flat), self.output_spec)
-
-    def _call_flat(self, fn, tensors: Sequence[Any]) -> tuple:
-        """``fn`` called as the traced call with ``tensors`` (proxies while tracing), its output's structure kept."""
-        arguments = pytree.tree_unflatten(_fill(self.input_leaves, self.tensor_positions, tensors), self.input_spec)
-        bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
-        output = _per_sample_lists(register_dataclasses(fn(*bound.args, **bound.kwargs)), self.batch_size)
-        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves(output)):
-            raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
-        return self.keep_output_structure(output, (torch.Tensor, fx.Proxy))
-
-    def keep_output_structure(self, output: Any, value_types: tuple[type, ...]) -> tuple:
-        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept for rebuild_output."""
-        leaves, self.output_spec = pytree.tree_flatten(output)
-        self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
-        self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
-        return tuple(leaves[i] for i in self.output_positions)
-
-
-@dataclasses.dataclass
-class PerSampleList:
-    """An output list of one tensor a sample, the rows of a tensor whose dim 0 is the batch (``list(features)``: LLaVA's
-    image features): the graph returns them stacked, which micro-batches concatenate, and the rebuilt output is a list
-    again, as long as the batch. Kept a list, the graph would have one output a sample, a number no micro-batch has."""
-
-    tensor: Any
-
-
-pytree.register_pytree_node(
-    PerSampleList, lambda p: ([p.tensor], None),
-    lambda leaves, _: list(leaves[0].unbind(0)) if isinstance(leaves[0], torch.Tensor) else PerSampleList(leaves[0]),
-    flatten_with_keys_fn=lambda p: ([(pytree.GetAttrKey("stacked"), p.tensor)], None))
-
-
-def _per_sample_lists(output: Any, batch: int) -> Any:
-    """``output`` with each list of ``batch`` tensors that are the rows of one tensor, in order (views of one storage,
-    each after the last), as a PerSampleList of them stacked."""
-    def rows_of_one(node: list) -> bool:
-        first = node[0]
-        return first._base is not None and all(
-            x._base is first._base and x.shape == first.shape and x.dtype == first.dtype and x.is_contiguous()
-            and x.storage_offset() == first.storage_offset() + i * first.numel() for i, x in enumerate(node))
-
-    def per_sample(node: Any) -> bool:
-        return isinstance(node, list) and len(node) == batch > 1 and all(isinstance(x, torch.Tensor) for x in node) \
-            and all(type(d) is int for d in node[0].shape) and rows_of_one(node)
-
-    return pytree.tree_map(lambda node: PerSampleList(torch.stack(node)) if per_sample(node) else node, output, is_leaf=per_sample)
-
-
-def grad_flags(model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> tuple:
-    return tuple(t.requires_grad for t in flat_inputs), tuple(p.requires_grad for p in model.parameters())
-
-
-def _fill(template: list[Any], positions: list[int], values: Sequence[Any]) -> list[Any]:
-    filled = dict(zip(positions, values))
-    return [filled.get(i, leaf) for i, leaf in enumerate(template)]
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return a is b
-
-
-def register_dataclasses(tree: Any) -> Any:
-    """Plain dataclasses become pytree nodes (process-wide), as torch.export needs; nested ones once their parent is."""
-    while new := {type(x) for x in pytree.tree_leaves(tree) if dataclasses.is_dataclass(x)
-                  and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES}:
-        for cls in new:
-            pytree.register_dataclass(cls)
-    return tree
+# the pass's names, importable from here wherever they are defined
+__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "InputMismatch", "specialises_batch", "output_facts",
+           "batch_rows", "carries_batch", "fake_errors_unlogged", "MutableArguments", "mutable"]
 
 
 def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
@@ -235,8 +88,6 @@ def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_agai
 
 
 def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedModel:
-    from .export_route import export_flat_graph  # export_route builds on this module
-
     signature = inspect.signature(model.forward)
     try:
         arguments = signature.bind(*args, **kwargs).arguments
@@ -267,9 +118,9 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             errors.append((name, e))
     else:
         if static_batch is None and specialises_batch(errors[-1][1]):
-            raise BatchSpecialised(_explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
-        raise TraceError(_explain_failures(model, errors)) from errors[-1][1]
-    traced.notes = [f"{name} failed: {type(e).__name__}: {_first_line(e)}" for name, e in errors] + traced.notes
+            raise BatchSpecialised(explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
+        raise TraceError(explain_failures(model, errors)) from errors[-1][1]
+    traced.notes = [f"{name} failed: {type(e).__name__}: {first_line(e)}" for name, e in errors] + traced.notes
     traced.notes += [f"{taken}: each micro-batch checks that it goes that way too, and the step raises where one does not"
                      for taken in dict.fromkeys(getattr(traced, "branches_taken", ()))]
     traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # at a batch of one, (1, seq) looks cut
@@ -291,85 +142,22 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         if not isinstance(e, known) and not re.search(r"\bu\d+\b", str(e)):  # else a size set by values (u0) in the failing op
             raise
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
-        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {_first_line(e)}) has a shape that depends "
+        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {first_line(e)}) has a shape that depends "
                          f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
-                         f"needs to cost and cut the graph{_source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or "
+                         f"needs to cost and cut the graph{source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or "
                          f"run it outside the model") from e
     if static_batch is not None:
-        _count_rows_per_sample(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
+        record_batch_facts(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
         return traced
     try:
-        _count_rows_per_sample(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
+        record_batch_facts(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
     except Exception as e:  # the graph runs at the traced batch size alone
         failed = re.search(r"While executing %(\w+)", str(e))
         node = next((n for n in traced.graph_module.graph.nodes if failed and n.name == failed.group(1)), None)
-        errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{_source_of(node)}", e))
-        message = _explain_failures(model, errors, traced.batch_size)
+        errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{source_of(node)}", e))
+        message = explain_failures(model, errors, traced.batch_size)
         raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
     return traced
-
-
-def listed(names: Sequence[str], most: int = 4) -> str:
-    return ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
-
-
-def node_where(node: fx.Node) -> str:
-    """The node's module path and the user's source line (its innermost frame outside torch), where traced."""
-    stack = node.meta.get("nn_module_stack")
-    path = list(stack.values())[-1][0] if stack else (node.target if node.op == "call_module" else "")
-    parts = [f"node {node.name}"] + ([f"module {path}"] if path else [])
-    # a frame is 'File "f.py", line 3, in forward' then, unless the file could not be read, its code
-    frames = re.findall(r'File "(.+)", line (\d+), in .*(?:\n(?!\s*File )\s*(.*))?', node.meta.get("stack_trace") or "")
-    frames = [f for f in frames if not f[0].startswith(os.path.dirname(torch.__file__))] or frames
-    if frames:
-        file, line, code = frames[-1]
-        parts.append(f"{file}:{line}: {code.strip()}" if code.strip() else f"{file}:{line}")
-    return ", ".join(parts)
-
-
-def _source_of(node: fx.Node | None) -> str:
-    frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
-    return f"; at {' '.join(f.strip() for f in frame)}" if frame else ""
-
-
-def specialises_batch(error: BaseException | None) -> bool:
-    """Did torch.export fail because the model's Python fixed (or bounded) the dynamic batch? By the error's type
-    (torch/_dynamo/exc.py, symbolic_shapes.py), or by torch's message where a version wraps them otherwise."""
-    from torch._dynamo.exc import UserErrorType
-    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-
-    violation = UserErrorType.CONSTRAINT_VIOLATION
-    return any(isinstance(e, ConstraintViolationError) or getattr(e, "error_type", None) is violation
-               or "Constraints violated" in _first_line(e) and "batch" in str(e) for e in causes(error))
-
-
-def causes(error: BaseException | None) -> Iterator[BaseException]:
-    """``error`` and the exceptions it was raised from or while handling, innermost last."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Module:
-    """A module sharing the model's children, parameters and buffers, so a graph of it names them as the model
-    does, whose forward takes one argument per tensor leaf of the call and calls ``fn`` (the model) as the call."""
-    params = ", ".join(traced.input_names)
-
-    def call(tensors):  # assignments are seen here: export puts the attributes back before it returns
-        state = _module_state(model)
-        try:
-            return traced._call_flat(fn, tensors)
-        finally:
-            traced.assigned = sorted(set(traced.assigned) | _assigned_since(state))
-
-    namespace: dict[str, Any] = {"_autopipe_call": call}
-    exec(f"def forward(self, {params}):\n    return _autopipe_call(({params},))\n", namespace)
-    root = type(f"{type(model).__name__}Flat", (torch.nn.Module,), {"forward": namespace["forward"]})()
-    root._modules, root._parameters, root._buffers = model._modules, model._parameters, model._buffers
-    root.training = model.training
-    return root
 
 
 def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
@@ -445,90 +233,6 @@ def _what_fx_cannot_record(model: torch.nn.Module):
         lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once while tracing")
 
 
-@contextlib.contextmanager
-def buffers_kept(module: torch.nn.Module):
-    """Puts back every buffer that tracing wrote (fx and export run some ops on real tensors for real)."""
-    saved = [(b, b._version, b.clone()) for b in module.buffers() if b.device.type != "meta" and not b.is_inference()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, version, value in saved:
-                if buffer._version != version:
-                    buffer.copy_(value)
-
-
-_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
-
-
-def _module_state(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, list[dict]]]:
-    return [(name, m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for name, m in model.named_modules()]
-
-
-def _assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) -> set[str]:
-    """The module attributes and tables' entries holding another tensor (or fx Proxy) than in ``state``: ``inner.steps``."""
-    found = set()
-    for owner, m, attributes, tables in state:
-        before = attributes | {k: v for table in tables for k, v in table.items()}
-        now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
-        found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
-    return found
-
-
-@contextlib.contextmanager
-def hooks_kept(model: torch.nn.Module):
-    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may register hooks
-    inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way, marking the model as hooked
-    in an attribute that tracing puts back): each trace then starts from the model as the user left it, as its first call would,
-    instead of from a failed attempt's half (the hooks twice, the mark gone: 5 hidden states of 3)."""
-    tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name and isinstance(table, dict)]
-    tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_") and isinstance(t, dict)]
-    saved = [(table, dict(table)) for table in tables]
-    try:
-        yield
-    finally:
-        for table, entries in saved:
-            if table.keys() != entries.keys():
-                table.clear()
-                table.update(entries)
-
-
-@contextlib.contextmanager
-def module_state_kept(model: torch.nn.Module):
-    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs the forward, and an
-    assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time value, an fx Proxy or a FakeTensor in the
-    model (flat_root's call names the assignments)."""
-    state = _module_state(model)
-    try:
-        yield
-    finally:
-        for _, m, attributes, tables in state:
-            vars(m).clear()
-            vars(m).update(attributes)
-            for t, table in zip(_MODULE_TABLES, tables):
-                getattr(m, t).clear()
-                getattr(m, t).update(table)
-
-
-@contextlib.contextmanager
-def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
-    """Puts back the module's 0-dim buffers (all, if asked): FakeTensorMode runs ops on real 0-dim CPU tensors for
-    real, bumping BatchNorm's ``num_batches_tracked``. BatchNorm(momentum=None) runs with momentum 0.1 meanwhile: it
-    averages by 1 / num_batches_tracked, which a fake tensor cannot give, and no shape depends on it."""
-    saved = [(b, b.clone()) for b in module.buffers() if (every_buffer or b.dim() == 0) and b.device.type != "meta"]
-    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.momentum is None]
-    for m in norms:
-        m.momentum = 0.1
-    try:
-        yield
-    finally:
-        for m in norms:
-            m.momentum = None
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
 def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
     """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a model exported at its
     micro-batch size shows its outputs at that size alone. Shape None: not a tensor. The pairing op is the first op the leaf is computed from whose
@@ -542,7 +246,7 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
                 with _OpRecorder() as ops:
-                    leaves = named_leaves(_per_sample_lists(model(*fake_args, **fake_kwargs), rows))
+                    leaves = named_leaves(per_sample_lists(model(*fake_args, **fake_kwargs), rows))
             runs.append((leaves, ops.ops))
         except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
             if not runs:
@@ -569,16 +273,6 @@ class _OpRecorder(TorchDispatchMode):
         tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
         self.ops.append((func, tensors((args, kwargs)), tensors(out)))
         return out
-
-
-def named_leaves(output: Any) -> list[tuple[str, Any]]:
-    """("output['logits']", leaf) for each leaf of a model's output, in the order the pipeline flattens it; by position for a pytree node
-    registered without keys (diffusers' outputs)."""
-    tree = register_dataclasses(output)
-    try:
-        return [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]
-    except ValueError:
-        return [(f"output[{i}]", t) for i, t in enumerate(pytree.tree_leaves(tree))]
 
 
 def mutable(value: Any) -> Any:
@@ -692,8 +386,6 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
     """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two graphs differ in more than
     their literals: a graph of one static size cannot run at another, and a second export gives it the dynamic graph's batch facts. Marks
     node.meta "batch_literal" where a literal differs."""
-    from .export_route import export_flat_graph
-
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
         other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
@@ -705,61 +397,9 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
             any((a.op, a.target, a.name, type(a.meta.get("val"))) != (b.op, b.target, b.name, type(b.meta.get("val"))) for a, b in pairs):
         return None
     for a, b in pairs:
-        if _literals(a) != _literals(b):
+        if literals(a) != literals(b):
             a.meta["batch_literal"] = True  # reshape(2, -1) at 2 rows, reshape(3, -1) at 3: a number set by the batch size
     return {a: b.meta.get("val") for a, b in pairs}
-
-
-def _literals(n: fx.Node) -> list[str]:
-    """The node's non-node arguments, by repr: a nan compares equal to itself."""
-    return [repr(a) for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node)]
-
-
-def _count_rows_per_sample(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
-    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free", "batch_number", "data_dependent" and "selected_rows" from each
-    node's value at ``batch`` rows and its value one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int
-    comparison: "Pitfalls measured"). Without it (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and
-    any literal may be the batch size."""
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if grown is None and _literals(n):
-            n.meta["literals_unknown"] = True  # any may be the batch size
-        if _sized_by_values(val) or grown is not None and _sized_by_values(grown[n]):
-            n.meta["data_dependent"] = True  # x[mask]: rows of no fixed number a sample; mask.sum().item(): a count over the micro-batch
-            n.meta["batch_number"] = not isinstance(val, (torch.Tensor, tuple, list))  # torch.where's tuple is no number
-            if rows := _selected_rows(val):
-                n.meta["selected_rows"] = rows
-        elif isinstance(val, torch.Tensor):
-            k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
-            if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
-                k = 0  # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
-            n.meta["rows_per_sample"] = k
-            grows = [i for i, (a, b) in enumerate(zip(val.shape, grown[n].shape)) if a != b] if grown is not None else []
-            if len(grows) == 1:
-                n.meta["batch_dim"] = grows[0]  # (seq, batch, d): 1
-            if len(grows) > 1:
-                n.meta["pairs_samples"] = True  # u @ v.T of two batches (contrastive logits): the batch in two dims
-            if grown is not None and tuple(val.shape) == tuple(grown[n].shape):
-                n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
-        elif isinstance(val, int) and grown is not None and grown[n] != val:
-            n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
-
-
-def _sized_by_values(val: Any) -> bool:
-    """Does the value hold a size or number that depends on values (an unbacked symbol of the shape env: u0)?"""
-    return any(free_unbacked_symbols(x) for x in pytree.tree_leaves(val) if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)))
-
-
-def _selected_rows(val: Any) -> tuple[int, str] | None:
-    """(the dim of rows, its size) of a tensor whose one dim of a size set by values follows dims of 1: x[mask] (u0, d), x[None, idx]
-    (1, u0, d); of the tensors of a tuple (torch.where(mask)) if they agree."""
-    found = set()
-    for t in pytree.tree_leaves(val):
-        dims = [i for i, d in enumerate(t.shape) if free_unbacked_symbols(d)] if isinstance(t, torch.Tensor) else [-1]
-        if len(dims) != 1 or dims[0] < 0 or any(d != 1 for d in t.shape[:dims[0]]):
-            return None
-        found.add((dims[0], str(t.shape[dims[0]])))
-    return found.pop() if len(found) == 1 else None
 
 
 def _bound_data_dependent_sizes(traced: TracedModel) -> None:
@@ -785,19 +425,6 @@ def _at_largest(x: Any) -> Any:
     return x
 
 
-def _leaf_names(paths: Iterable[tuple]) -> list[str]:
-    """Unique identifiers for pytree leaf paths: ``past_key_values_0_1`` for ["past_key_values"][0][1]."""
-    names: list[str] = []
-    for path in paths:
-        name = re.sub(r"\W+", "_", pytree.keystr(path)).strip("_") or "input"
-        if name[0].isdigit() or keyword.iskeyword(name):
-            name = f"input_{name}"
-        if name in names:
-            name = next(f"{name}_{n}" for n in itertools.count(1) if f"{name}_{n}" not in names)
-        names.append(name)
-    return names
-
-
 def batch_rows(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
     """The batch as trace takes it: dim 0 of the first tensor argument in the order of the forward's parameters (None: 0-dim, or none)."""
     try:
@@ -818,40 +445,3 @@ def _batch_size(tensors: list[torch.Tensor], first: str) -> int:
     if tensors[0].dim() == 0:
         raise ValueError(f"argument {first!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
     return tensors[0].shape[0]
-
-
-def _explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]], batch_size: int | None = None) -> str:
-    lines = [f"autopipe could not trace {type(model).__name__}:"]
-    lines += [f"  - {route}: {type(e).__name__}: {_first_line(e)}{user_frame(e, model)}" for route, e in errors]
-    if batch_size is not None:
-        lines.append(f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every micro-batch size. It can "
-                     f"still be pipelined with equal micro-batches: trace(..., static_batch=<rows per micro-batch>) exports it at that size with "
-                     f"no dynamic dimension. Or make the code batch-generic (x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather "
-                     f"than repeat(n, ...)).")
-    else:
-        lines.append("What to try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), "
-                     "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "
-                     "or pass the non-tensor arguments that steer control flow as plain Python values.")
-    return "\n".join(lines)
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().partition("\n")[0] or repr(error)
-
-
-def user_frame(error: BaseException | None, model: torch.nn.Module) -> str:
-    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code, or "";
-    with ``error`` None, of the stack now (export deciding a branch)."""
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep, os.path.dirname(logging.__file__) + os.sep,
-            "<string>", "<eval_with_key")  # torch, this package, logging (export_route's filter), the code trace and fx generate
-    stack = traceback.walk_tb(error.__traceback__) if error is not None else reversed(list(traceback.walk_stack(None)))
-    frames = [(frame, line) for frame, line in stack if not frame.f_code.co_filename.startswith(skip)]
-    if not frames:
-        return ""
-    frame, line = frames[-1]
-    code = frame.f_code
-    owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-    path = {id(m): name for name, m in model.named_modules()}.get(id(owner))
-    where = f" in module {path or type(model).__name__!r}" if path is not None else ""
-    source = linecache.getline(code.co_filename, line).strip()
-    return f"{where} ({code.co_filename}:{line} in {code.co_name}: {source})"

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from autopipe.plan import TargetCount
 
-from ..trace import TracedModel
+from ..traced_model import TracedModel
 from .across_micro_batches import across_micro_batches
 from .facts import from_batch
 from .samples import interleaved_rows, samples_mixed, samples_together

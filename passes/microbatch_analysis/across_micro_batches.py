@@ -11,7 +11,7 @@ import torch.fx as fx
 from autopipe.random_ops import bind, op_name
 
 from ..custom_gradients import FunctionCall
-from ..trace import node_where
+from ..diagnostics import node_where
 from .facts import rows_per_sample, shape_only
 
 _ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "div", "floordiv", "pow", "rsub", "iadd", "isub", "imul",

@@ -1,0 +1,92 @@
+"""What tracing leaves as it found it: tracing runs the forward, which may assign attributes, write buffers or install
+hooks (docs/architecture.md, "Pitfalls measured"); each guard here puts one kind of state back."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module):
+    """Puts back every buffer that tracing wrote (fx and export run some ops on real tensors for real)."""
+    saved = [(b, b._version, b.clone()) for b in module.buffers() if b.device.type != "meta" and not b.is_inference()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, version, value in saved:
+                if buffer._version != version:
+                    buffer.copy_(value)
+
+
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def module_state(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, list[dict]]]:
+    return [(name, m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for name, m in model.named_modules()]
+
+
+def assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) -> set[str]:
+    """The module attributes and tables' entries holding another tensor (or fx Proxy) than in ``state``: ``inner.steps``."""
+    found = set()
+    for owner, m, attributes, tables in state:
+        before = attributes | {k: v for table in tables for k, v in table.items()}
+        now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
+        found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
+    return found
+
+
+@contextlib.contextmanager
+def hooks_kept(model: torch.nn.Module):
+    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may register hooks
+    inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way, marking the model as hooked
+    in an attribute that tracing puts back): each trace then starts from the model as the user left it, as its first call would,
+    instead of from a failed attempt's half (the hooks twice, the mark gone: 5 hidden states of 3)."""
+    tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name and isinstance(table, dict)]
+    tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_") and isinstance(t, dict)]
+    saved = [(table, dict(table)) for table in tables]
+    try:
+        yield
+    finally:
+        for table, entries in saved:
+            if table.keys() != entries.keys():
+                table.clear()
+                table.update(entries)
+
+
+@contextlib.contextmanager
+def module_state_kept(model: torch.nn.Module):
+    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs the forward, and an
+    assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time value, an fx Proxy or a FakeTensor in the
+    model (flat_root's call names the assignments)."""
+    state = module_state(model)
+    try:
+        yield
+    finally:
+        for _, m, attributes, tables in state:
+            vars(m).clear()
+            vars(m).update(attributes)
+            for t, table in zip(_MODULE_TABLES, tables):
+                getattr(m, t).clear()
+                getattr(m, t).update(table)
+
+
+@contextlib.contextmanager
+def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
+    """Puts back the module's 0-dim buffers (all, if asked): FakeTensorMode runs ops on real 0-dim CPU tensors for
+    real, bumping BatchNorm's ``num_batches_tracked``. BatchNorm(momentum=None) runs with momentum 0.1 meanwhile: it
+    averages by 1 / num_batches_tracked, which a fake tensor cannot give, and no shape depends on it."""
+    saved = [(b, b.clone()) for b in module.buffers() if (every_buffer or b.dim() == 0) and b.device.type != "meta"]
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.momentum is None]
+    for m in norms:
+        m.momentum = 0.1
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.momentum = None
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
