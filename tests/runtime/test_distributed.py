@@ -152,6 +152,15 @@ def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_
             assert seen >= {n for n, _ in model.named_parameters()}, (name, checkpoint)
 
 
+def assert_two_ranks_give_the_plain_models(results: list[dict], model, loss) -> None:
+    """The loss on the last rank alone, and every parameter's float64 gradient on some rank, the plain model's."""
+    assert results[1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_tensors_the_trace_made_are_no_model_attribute_under_torchrun(tmp_path):
     """fx's _tensor_constant* (a relative-position index built in the forward): each rank looked every planned tensor
     up in the model to materialise it and raised AttributeError (issue 29's class 2, on the torchrun path)."""
@@ -167,11 +176,7 @@ def test_tensors_the_trace_made_are_no_model_attribute_under_torchrun(tmp_path):
     target = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
     loss = F.cross_entropy(model(x), target)
     loss.backward()
-    assert results[1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
-    grads = {name: grad for r in results for name, grad in r["grads"].items()}
-    assert set(grads) == {n for n, _ in model.named_parameters()}
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert_two_ranks_give_the_plain_models(results, model, loss)
 
 
 def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):
@@ -184,11 +189,7 @@ def test_a_tensor_argument_without_the_batch_reaches_every_rank_whole(tmp_path):
     target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     loss = F.mse_loss(model(x.double(), mask.double()), target)
     loss.backward()
-    assert results[1]["loss"] == pytest.approx(loss.item(), rel=1e-12) and results[0]["loss"] is None
-    grads = {name: grad for r in results for name, grad in r["grads"].items()}
-    assert set(grads) == {n for n, _ in model.named_parameters()}
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert_two_ranks_give_the_plain_models(results, model, loss)
 
 
 def test_experts_given_rows_of_a_size_set_by_values_train_over_ranks_like_the_plain_model(tmp_path):
