@@ -36,7 +36,8 @@ def require(ok: Any, message: str) -> None:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     dims = text.strip().strip("()[]").strip().rstrip(",").split(",")
-    require(all(d.strip().isdigit() and int(d) > 0 for d in dims), f"{text!r} is not a shape: give positive integers separated by commas, e.g. 8,3,224,224")
+    require(all(d.strip().isdigit() and int(d) > 0 for d in dims), f"{text!r} is not a shape: give positive integers "
+                                                                   f"separated by commas, e.g. 8,3,224,224")
     return tuple(int(d) for d in dims)
 
 
@@ -72,7 +73,8 @@ def parse_balance(text: str) -> str | list[float]:
     if text in ("flops", "params", "time"):
         return text
     shares = [float(s) for s in text.split(",") if re.fullmatch(r"\s*\d*\.?\d+\s*", s)]
-    require(len(shares) == text.count(",") + 1 and min(shares) > 0, f"{text!r}: use flops, params, time, or per-stage shares such as 1,2,2,1")
+    require(len(shares) == text.count(",") + 1 and min(shares) > 0, f"{text!r}: use flops, params, time, or per-stage "
+                                                                    f"shares such as 1,2,2,1")
     return shares
 
 
@@ -115,7 +117,8 @@ def run(ns: argparse.Namespace) -> int:
             f"--input-shape: give one dtype for all, or one per input")
     unknown = sorted(set(kw_dtypes) - set(kw_shapes))
     require(not unknown, f"--kwarg-dtype for {', '.join(unknown)} without a --kwarg-shape")
-    require(ns.input_shape or kw_shapes, "give the example input's shape: --input-shape 8,3,224,224 (or --kwarg-shape name=8,128)")
+    require(ns.input_shape or kw_shapes, "give the example input's shape: --input-shape 8,3,224,224 (or --kwarg-shape "
+                                         "name=8,128)")
     require(ns.chunks > 0, f"--chunks {ns.chunks}: at least 1")
     require(ns.balance != "time" or not ns.meta, "--balance time runs the model to time it: add --no-meta")
     factory, module = load_factory(ns.factory)
@@ -140,7 +143,8 @@ def run(ns: argparse.Namespace) -> int:
     kwargs = {k: tensor(s, kw_dtypes.get(k, torch.float32)) for k, s in kw_shapes.items()}
     common = dict(chunks=ns.chunks, balance=ns.balance, route=ns.route, leaf_modules=leaf_modules)
     if ns.command == "plan":
-        options = autopipe.Options.make(plan_devices(ns.devices), tolerance=ns.tolerance, memory_cap=ns.memory_cap, verbose=True, **common)
+        options = autopipe.Options.make(plan_devices(ns.devices), tolerance=ns.tolerance, memory_cap=ns.memory_cap,
+                                        verbose=True, **common)
         compiled = autopipe.run_passes(model, args, kwargs, options, generate=ns.out is not None)
         print(compiled.plan)
         for stage in compiled.stages if ns.out is not None else ():
@@ -192,7 +196,8 @@ COMMANDS = {  # command: (help, defaults)
 
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog="autopipe", formatter_class=raw, epilog=EXAMPLES, description="autopipe: compile an unmodified PyTorch model into a GPipe pipeline.")
+    parser = _Parser(prog="autopipe", formatter_class=raw, epilog=EXAMPLES,
+                     description="autopipe: compile an unmodified PyTorch model into a GPipe pipeline.")
     parser.add_argument("--version", action="version", version=f"autopipe {autopipe.__version__}")
     parser.set_defaults(seed=0, int_high=0, mode="as-built", meta=False)  # of the flags only one command has
     sub = parser.add_subparsers(dest="command", required=True, metavar="plan|verify", parser_class=_Parser)

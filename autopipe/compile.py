@@ -58,7 +58,8 @@ class Options:
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got {self.balance!r}")
+            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got "
+                             f"{self.balance!r}")
         if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
@@ -103,7 +104,8 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             if device.index >= cuda_count:
-                raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) (cuda:0..cuda:{cuda_count - 1})")
+                raise ValueError(f"devices: {d!r} does not exist: this host has {cuda_count} CUDA device(s) "
+                                 f"(cuda:0..cuda:{cuda_count - 1})")
         elif device.type != "cpu":
             raise ValueError(f"devices: {d!r}: autopipe runs stages on 'cpu' or 'cuda' devices")
         resolved.append(device)
@@ -121,24 +123,28 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
                after_codegen: Callable[[list], None] | None = None) -> Compiled:
-    """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per micro-batch size.
-    ``before_codegen(plan)``: where the torchrun runtime materialises its meta weights. ``after_codegen(stages)``: where compile places the
-    tensors the stages read on their devices, before the runners look at where they are."""
+    """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per
+    micro-batch size. ``before_codegen(plan)``: where the torchrun runtime materialises its meta weights.
+    ``after_codegen(stages)``: where compile places the tensors the stages read on their devices, before the runners
+    look at where they are."""
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)
 
     def program(static_batch: int | None = None, specialised: BatchSpecialised | None = None) -> Program:
         traced, analysis, costed = _trace_analyse_and_cost(model, args, kwargs, options, static_batch, progress)
         if traced.assigned:
-            warnings.warn(f"autopipe: {type(model).__name__}'s forward assigns {listed(traced.assigned)}: the pipeline runs the traced graph, which "
-                          f"computes with the assigned values but does not store them, so the model keeps the values it had before (autopipe.verify "
-                          f"shows them). Harmless for a cache the forward rebuilds (ConViT's rel_indices); state carried from call to call (a counter, "
-                          f"a running value) is not the plain model's: a buffer updated in place (self.steps.add_(1)) is, once per micro-batch as "
-                          f"BatchNorm's statistics", stacklevel=4)
+            warnings.warn(f"autopipe: {type(model).__name__}'s forward assigns {listed(traced.assigned)}: the pipeline "
+                          f"runs the traced graph, which computes with the assigned values but does not store them, so "
+                          f"the model keeps the values it had before (autopipe.verify shows them). Harmless for a "
+                          f"cache the forward rebuilds (ConViT's rel_indices); state carried from call to call (a "
+                          f"counter, a running value) is not the plain model's: a buffer updated in place "
+                          f"(self.steps.add_(1)) is, once per micro-batch as BatchNorm's statistics", stacklevel=4)
         if traced.ambiguous_inputs:
-            warnings.warn(f"autopipe: {type(model).__name__} is traced per micro-batch size, and {listed(traced.ambiguous_inputs)} has the batch "
-                          f"size in dim 0 and in another dim: it is cut into micro-batches as rows of samples. If it is not per sample (a (seq, seq) "
-                          f"mask whose seq equals the batch), the pipeline's values are wrong: use a batch of another size", stacklevel=4)
+            warnings.warn(f"autopipe: {type(model).__name__} is traced per micro-batch size, and "
+                          f"{listed(traced.ambiguous_inputs)} has the batch size in dim 0 and in "
+                          f"another dim: it is cut into micro-batches as rows of samples. If it is not "
+                          f"per sample (a (seq, seq) mask whose seq equals the batch), the pipeline's "
+                          f"values are wrong: use a batch of another size", stacklevel=4)
         notes = list(traced.notes)
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
@@ -149,7 +155,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
-            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks, options.virtual_stages, options.optimizer)
+            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
+                                         options.virtual_stages, options.optimizer)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
         if not generate:
             return Program(traced=traced, plan=plan, stages=[])
@@ -165,7 +172,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             after_codegen(stages)
     with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
-        progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} stages x {options.chunks} micro-batches")
+        progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} "
+                     f"stages x {options.chunks} micro-batches")
         try:
             programs = {None: program()}
         except BatchSpecialised as e:
@@ -179,27 +187,33 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
-    """Refused before anything runs, for a model exported at its micro-batch size: an output computed from a value holding the batch in two dims, or
-    one whose other dims grow with the batch (CLIP's logits), seen in eager runs at the whole batch. The export one row larger finds these where the
-    two exports have the same nodes; where they do not (a branch on len(x) == 1), these runs may (docs/architecture.md, "Pitfalls measured")."""
+    """Refused before anything runs, for a model exported at its micro-batch size: an output computed from a value
+    holding the batch in two dims, or one whose other dims grow with the batch (CLIP's logits), seen in eager runs at
+    the whole batch. The export one row larger finds these where the two exports have the same nodes; where they do not
+    (a branch on len(x) == 1), these runs may (docs/architecture.md, "Pitfalls measured")."""
     whole = output_facts(model, args, kwargs, batch)
     for path, _, pairing in whole or ():
         if pairing:
-            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two dims: it pairs the samples (contrastive "
-                             f"logits u @ v.T, in-batch negatives); a micro-batch holds only its own samples, so no merge of the micro-batches' values is "
-                             f"the plain model's; compute it outside the model from per-sample outputs, or run with chunks=1")
+            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two "
+                             f"dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives); a "
+                             f"micro-batch holds only its own samples, so no merge of the micro-batches' values is the "
+                             f"plain model's; compute it outside the model from per-sample outputs, or run with "
+                             f"chunks=1")
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):
             info, (path, shape, _) = plan.tensors.get(name), whole[position]
-            if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:] or shape[0] != info.rows_per_sample * batch):
-                raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a micro-batch of "
-                                 f"{traced.batch_size}: it mixes the rows of the batch, so no concatenation of the micro-batches' parts is the plain "
-                                 f"model's value; return it per sample, compute it outside the model, or run with chunks=1")
+            if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:]
+                                                                          or shape[0] != info.rows_per_sample * batch):
+                raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a "
+                                 f"micro-batch of {traced.batch_size}: it mixes the rows of the batch, so no "
+                                 f"concatenation of the micro-batches' parts is the plain model's value; return it per "
+                                 f"sample, compute it outside the model, or run with chunks=1")
 
 
 def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):
-    """The example inputs on the model's device, where stage 0 moves a DataLoader's CPU batch: the passes see the batch there."""
+    """The example inputs on the model's device, where stage 0 moves a DataLoader's CPU batch: the passes see the batch
+    there."""
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) != 1 or (device := devices.pop()).type == "meta":
         return args, kwargs
@@ -211,7 +225,8 @@ def _trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch:
     """The passes before the cut: trace, the micro-batch analysis of its graph (timed with trace: compile reports four
     passes), cost."""
     with progress.run("trace") as report:
-        traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route, static_batch=static_batch)
+        traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route,
+                       static_batch=static_batch)
         analysis = analyse_micro_batches(traced)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
@@ -219,7 +234,8 @@ def _trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch:
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
-        # a stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op costs weigh as in the pipeline
+        # a stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op costs weigh as in the
+        # pipeline
         rows = static_batch or micro_batch_sizes(traced.batch_size, options.chunks)[0]
         batch = traced.batch_size if static_batch is None else measure[0].shape[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
@@ -233,7 +249,8 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
     """``chunks``/``schedule``/``checkpoint="auto"``: trace and cost once, partition once per stage
     count, and keep the fastest predicted configuration whose memory fits ``memory_cap``."""
     if options.memory_cap is None:
-        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits the memory: give memory_cap (bytes per device)")
+        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits the "
+                         f"memory: give memory_cap (bytes per device)")
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)  # as run_passes: a GPU model's CPU example batch
     with preserved_global_state(), torch.inference_mode(False):
@@ -247,10 +264,12 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
 
         with progress.run("choose") as report:
             choice = choose_configuration(
-                plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap, optimizer=options.optimizer,
-                chunks=None if "chunks" in auto else options.chunks, schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
+                plan_for, batch_size=traced.batch_size, n_devices=K, memory_cap=options.memory_cap,
+                optimizer=options.optimizer, chunks=None if "chunks" in auto else options.chunks,
+                schedules=SCHEDULES if "schedule" in auto else (options.schedule,),
                 checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,))
-            report["detail"] = f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of {len(choice.candidates)} configurations"
+            report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of "
+                                f"{len(choice.candidates)} configurations")
         if choice.schedule == "zbv":  # plan_for laid 2K stages round robin; zbv's device d holds stages d, 2K-1-d
             v_devices = [devices[device_of_stage("zbv", K, s)] for s in range(2 * K)]
             choice.chosen.plan = partition(costed, 2 * K, devices=v_devices, chunks=1, balance=options.balance,
@@ -261,55 +280,65 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
 
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict[str, Any] | None = None,
-         devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8, balance: str | Sequence[float] = "flops",
-         leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe",
-         virtual_stages: int = 1, checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
+         devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8,
+         balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
+         memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
+         checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
-    ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts each stage's memory for
-    ``schedule``, ``checkpoint``, ``chunks`` and the ``optimizer``'s state. ``chunks``, ``schedule``, ``checkpoint`` may be ``"auto"`` (with
-    ``memory_cap``): the fastest predicted configuration that fits, the alternatives in ``plan.choice``. ``verbose=True``: each pass on stderr."""
+    ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts
+    each stage's memory for ``schedule``, ``checkpoint``, ``chunks`` and the ``optimizer``'s state. ``chunks``,
+    ``schedule``, ``checkpoint`` may be ``"auto"`` (with ``memory_cap``): the fastest predicted configuration that fits,
+    the alternatives in ``plan.choice``. ``verbose=True``: each pass on stderr."""
     auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
-    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance, leaf_modules=leaf_modules, tolerance=tolerance,
-                           memory_cap=memory_cap, route=route, verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
-                           virtual_stages=1 if "schedule" in auto else virtual_stages, checkpoint="except_last" if "checkpoint" in auto else checkpoint,
-                           optimizer=optimizer)
+    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance,
+                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
+                           verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
+                           virtual_stages=1 if "schedule" in auto else virtual_stages,
+                           checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer)
     args, kwargs = as_tuple(example_inputs), example_kwargs or {}
     if auto:
         return _choose(model, args, kwargs, options, stage_devices, auto)
     return run_passes(model, args, kwargs, options, generate=False).plan
 
 
-def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] | None = None, chunks: int = 8, *, example_inputs: Any = None,
-            example_kwargs: dict[str, Any] | None = None, checkpoint: str = "except_last", schedule: str = "gpipe", virtual_stages: int = 1,
-            balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
-            intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False, data_parallel: int = 1,
-            timeout: float = 300.0, route: str = "auto", verbose: bool = False) -> Pipeline | DistributedPipeline:
+def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] | None = None, chunks: int = 8, *,
+            example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None, checkpoint: str = "except_last",
+            schedule: str = "gpipe", virtual_stages: int = 1, balance: str | Sequence[float] = "flops",
+            leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
+            intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
+            data_parallel: int = 1, timeout: float = 300.0, route: str = "auto",
+            verbose: bool = False) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
-    The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs the pipeline compiles on its first
-    call. "1f1b" and "interleaved" schedules train with ``pipe.step(x, target=y, loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running
-    statistics over the whole mini-batch. Under torchrun with ``devices=None``: one stage per rank over torch.distributed (``data_parallel``
-    replicas of the pipeline; ``timeout`` seconds bound any wait on a peer)."""
-    chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route, tolerance=tolerance,
-                  memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
+    The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs the
+    pipeline compiles on its first call. "1f1b" and "interleaved" schedules train with ``pipe.step(x, target=y,
+    loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running statistics over the whole mini-batch. Under torchrun
+    with ``devices=None``: one stage per rank over torch.distributed (``data_parallel`` replicas of the pipeline;
+    ``timeout`` seconds bound any wait on a peer)."""
+    chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
+                  tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
     if devices is None and running_under_torchrun():
         # every rank plans all K stages; the options are checked before any process group exists
         n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
-        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0", **chosen)
-        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout, deferred_batch_norm=deferred_batch_norm)
+        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0",
+                               **chosen)
+        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout,
+                                   deferred_batch_norm=deferred_batch_norm)
     else:
         if data_parallel != 1:
             raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
         device_list = resolve_devices(devices)
         options = Options.make(device_list, verbose=verbose, **chosen)
         if any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real weights (use "
-                             f"autopipe.plan to plan a meta model, or materialise it with to_empty() and load a state dict)")
+            raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real "
+                             f"weights (use autopipe.plan to plan a meta model, or materialise it with to_empty() and "
+                             f"load a state dict)")
         build = lambda args, kwargs: run_passes(model, args, kwargs, options, after_codegen=place)
-        pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads, deferred_batch_norm=deferred_batch_norm,
-                        schedule=schedule, virtual_stages=virtual_stages, track_memory=track_memory)
+        pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
+                        deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
+                        track_memory=track_memory)
     if example_inputs is not None or example_kwargs:
         pipe.compile_for(as_tuple(example_inputs), example_kwargs or {})
     return pipe
@@ -320,8 +349,8 @@ def as_tuple(inputs: Any) -> tuple:
 
 
 def place(stages: Sequence[Stage]) -> None:
-    """Move each tensor the stages read to its ``placement``. The tensor objects stay the same (``.data`` is replaced), so optimizers
-    keep working and every stage, program and the model see the move."""
+    """Move each tensor the stages read to its ``placement``. The tensor objects stay the same (``.data`` is replaced),
+    so optimizers keep working and every stage, program and the model see the move."""
     with torch.no_grad():
         for t, device in placement(stages):
             if t.device != device:
@@ -329,9 +358,10 @@ def place(stages: Sequence[Stage]) -> None:
 
 
 def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]]:
-    """Each tensor the stages read (``tensors_read``) and the device of the first stage that reads it; a later stage on another device
-    runs on a replica (runtime/task.py). Found on the stages, not by name in the model: a trace makes tensors the model does not hold
-    (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), whose lookup in the model was issue 29's KeyError on CUDA."""
+    """Each tensor the stages read (``tensors_read``) and the device of the first stage that reads it; a later stage on
+    another device runs on a replica (runtime/task.py). Found on the stages, not by name in the model: a trace makes
+    tensors the model does not hold (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), whose lookup in the
+    model was issue 29's KeyError on CUDA."""
     first: dict[int, tuple[torch.Tensor, torch.device]] = {}
     for stage in stages:
         for t in tensors_read(stage):
@@ -340,8 +370,9 @@ def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]
 
 
 def tensors_read(module: fx.GraphModule) -> list[torch.Tensor]:
-    """Every tensor ``module``'s graph reads: by ``get_attr`` (parameters, buffers, fx's and export's constants), those of the
-    modules it calls whole or gets, and those of its subgraphs (export's no_grad / autocast regions), each once."""
+    """Every tensor ``module``'s graph reads: by ``get_attr`` (parameters, buffers, fx's and export's constants),
+    those of the modules it calls whole or gets, and those of its subgraphs (export's no_grad / autocast regions),
+    each once."""
     found: dict[int, torch.Tensor] = {}
     for node in module.graph.nodes:
         if node.op not in ("get_attr", "call_module"):
@@ -350,6 +381,7 @@ def tensors_read(module: fx.GraphModule) -> list[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             found.setdefault(id(value), value)
         elif isinstance(value, torch.nn.Module):
-            for t in [*value.parameters(), *value.buffers(), *(tensors_read(value) if isinstance(value, fx.GraphModule) else ())]:
+            for t in [*value.parameters(), *value.buffers(),
+                      *(tensors_read(value) if isinstance(value, fx.GraphModule) else ())]:
                 found.setdefault(id(t), t)
     return list(found.values())

@@ -6,4 +6,5 @@ from autopipe.random_ops import UnroutedRandomOp
 from autopipe.runtime.executor import StageFailure
 from autopipe.runtime.p2p import PipelineError
 
-__all__ = ["BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
+__all__ = ["BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError",
+           "UnroutedRandomOp"]

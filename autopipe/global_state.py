@@ -42,7 +42,8 @@ def _attribute(path: str) -> Piece:  # "torch.<...>.<attr>"
     return lambda: getattr(owner, attr, None), partial(setattr, owner, attr)
 
 
-def _stack(modes: Callable, length: Callable, pop: Callable, push: Callable) -> Piece:  # a mode stack: its very mode objects, in order
+def _stack(modes: Callable, length: Callable, pop: Callable,
+           push: Callable) -> Piece:  # a mode stack: its very mode objects, in order
     def set(saved):
         while length():
             pop()
@@ -75,29 +76,38 @@ def _inference_mode_leak(was_on: bool) -> None:
 
 
 _CUDA = torch.backends.cuda
-_AUTOCAST_DEVICES = ["cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia", torch._C._get_privateuse1_backend_name()]
-_MODULE_HOOKS = ["backward_pre_hooks", "backward_hooks", "is_full_backward_hook", "forward_pre_hooks", "forward_hooks", "forward_hooks_always_called",
-                 "forward_hooks_with_kwargs", "module_registration_hooks", "parameter_registration_hooks", "buffer_registration_hooks"]
+_AUTOCAST_DEVICES = ["cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia",
+                     torch._C._get_privateuse1_backend_name()]
+_MODULE_HOOKS = ["backward_pre_hooks", "backward_hooks", "is_full_backward_hook", "forward_pre_hooks", "forward_hooks",
+                 "forward_hooks_always_called", "forward_hooks_with_kwargs", "module_registration_hooks",
+                 "parameter_registration_hooks", "buffer_registration_hooks"]
 _FLAGS = ["torch.utils.deterministic.fill_uninitialized_memory", *(f"torch.backends.{flag}" for flag in (
-    "cudnn.enabled", "cudnn.benchmark", "cudnn.benchmark_limit", "cudnn.deterministic", "cudnn.allow_tf32", "mkldnn.enabled", "cuda.matmul.allow_tf32",
-    "cuda.matmul.allow_fp16_reduced_precision_reduction", "cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "cudnn.enabled", "cudnn.benchmark", "cudnn.benchmark_limit", "cudnn.deterministic", "cudnn.allow_tf32",
+    "mkldnn.enabled", "cuda.matmul.allow_tf32", "cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "cuda.matmul.allow_bf16_reduced_precision_reduction",
     # the fp32_precision API after the older switches it overlaps with
-    "fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision",
-    "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision", "mkldnn.rnn.fp32_precision"))]
+    "fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision", "cudnn.conv.fp32_precision",
+    "cudnn.rnn.fp32_precision", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision",
+    "mkldnn.rnn.fp32_precision"))]
 PIECES: dict[str, Piece] = {  # the mode stacks first: the default device and the saved tensors hooks live on them
-    "torch dispatch mode stack": _stack(_get_current_dispatch_mode_stack, torch._C._len_torch_dispatch_stack, _pop_mode, _push_mode),
-    "torch function mode stack": _stack(torch.overrides._get_current_function_mode_stack, torch._C._len_torch_function_stack,
-                                        torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack),
-    "default device": _group(_attribute("torch.utils._device.CURRENT_DEVICE"), _attribute("torch._GLOBAL_DEVICE_CONTEXT.device_context")),
+    "torch dispatch mode stack": _stack(_get_current_dispatch_mode_stack, torch._C._len_torch_dispatch_stack,
+                                        _pop_mode, _push_mode),
+    "torch function mode stack": _stack(torch.overrides._get_current_function_mode_stack,
+                                        torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack,
+                                        torch._C._push_on_torch_function_stack),
+    "default device": _group(_attribute("torch.utils._device.CURRENT_DEVICE"),
+                             _attribute("torch._GLOBAL_DEVICE_CONTEXT.device_context")),
     "saved tensors hooks": _group(  # as torch.autograd.graph.disable_saved_tensors_hooks puts its message back
         (partial(_autograd._top_saved_tensors_default_hooks, True), _set_top_saved_tensors_hooks),
         (_autograd._saved_tensors_hooks_get_disabled_error_message,
-         lambda message: _autograd._saved_tensors_hooks_enable() if message is None else _autograd._saved_tensors_hooks_disable(message))),
+         lambda message: _autograd._saved_tensors_hooks_enable() if message is None
+         else _autograd._saved_tensors_hooks_disable(message))),
     "inference mode": (torch.is_inference_mode_enabled, _inference_mode_leak),  # checked: nothing else can end it
     "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
     "forward-mode AD": (torch._C._is_fwd_grad_enabled, torch._C._set_fwd_grad_enabled),
     "autograd multithreading": (torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled),
-    "anomaly mode": (lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()), lambda saved: torch.set_anomaly_enabled(*saved)),
+    "anomaly mode": (lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+                     lambda saved: torch.set_anomaly_enabled(*saved)),
     **{f"autocast ({d})": _group((partial(torch.get_autocast_dtype, d), partial(torch.set_autocast_dtype, d)),
                                  (partial(torch.is_autocast_enabled, d), partial(torch.set_autocast_enabled, d)))
        for d in dict.fromkeys(_AUTOCAST_DEVICES) if torch.amp.is_autocast_available(d)},
@@ -106,14 +116,17 @@ PIECES: dict[str, Piece] = {  # the mode stacks first: the default device and th
     "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
     "CPU RNG": (torch.get_rng_state, torch.set_rng_state),
     "Python random": (random.getstate, random.setstate),
-    "deterministic algorithms": (lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+    "deterministic algorithms": (lambda: (torch.are_deterministic_algorithms_enabled(),
+                                          torch.is_deterministic_algorithms_warn_only_enabled()),
                                  lambda saved: torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])),
     "intra-op threads": (torch.get_num_threads, torch.set_num_threads),
     "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
     "scaled dot product attention backends": _group(
-        *((getattr(_CUDA, f"{kind}_sdp_enabled"), getattr(_CUDA, f"enable_{kind}_sdp")) for kind in ("flash", "mem_efficient", "math", "cudnn")),
+        *((getattr(_CUDA, f"{kind}_sdp_enabled"), getattr(_CUDA, f"enable_{kind}_sdp"))
+          for kind in ("flash", "mem_efficient", "math", "cudnn")),
         (_CUDA.fp16_bf16_reduction_math_sdp_allowed, _CUDA.allow_fp16_bf16_reduction_math_sdp)),
-    "fx tracer patches": _group(*map(_attribute, ["torch.nn.Module.__call__", "torch.nn.Module.__getattr__", "torch.fx._symbolic_trace._is_fx_tracing_flag"])),
+    "fx tracer patches": _group(*map(_attribute, ["torch.nn.Module.__call__", "torch.nn.Module.__getattr__",
+                                                  "torch.fx._symbolic_trace._is_fx_tracing_flag"])),
     "global nn.Module hooks": _group(*(_attribute(f"torch.nn.modules.module._global_{h}") for h in _MODULE_HOOKS)),
     **{path: _attribute(path) for path in _FLAGS},
 }
@@ -172,7 +185,8 @@ class preserved_global_state(contextlib.ContextDecorator):
                     failures[name] = str(e) if isinstance(e, GlobalStateLeak) else f"{type(e).__name__}: {e}"
         self.restored = [name for name in dict.fromkeys(self.restored) if name not in failures]
         if failures:
-            leak = GlobalStateLeak("global state changed and was not put back: " + "; ".join(f"{name}: {why}" for name, why in failures.items()))
+            what = "; ".join(f"{name}: {why}" for name, why in failures.items())
+            leak = GlobalStateLeak(f"global state changed and was not put back: {what}")
             if error is None:
                 raise leak
             if hasattr(error, "add_note"):  # Python >= 3.11

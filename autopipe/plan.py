@@ -33,12 +33,17 @@ class TensorInfo:
     consumers: tuple[int, ...]  # stage indices that read it
     is_output: bool = False     # also an output of the model
     kind: str = "tensor"        # "tensor", or a Python value computed in the graph: "int", "size", "other"
-    rows_per_sample: int = 1    # dim 0 = rows_per_sample x batch at any batch (a (batch * seq, ...) tensor: seq); 0: not the batch
-    merges: bool = True         # an output whose micro-batch parts concatenate to the plain value (each sample's rows together)
-    mixes_samples: tuple[str, ...] = ()  # (the node it is computed from that mixes samples, how): u @ v.T of two batches
-    scalar_merge: str = "mean"  # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum", "count" or "unknown"
+    # dim 0 = rows_per_sample x batch at any batch (a (batch * seq, ...) tensor: seq); 0: not the batch
+    rows_per_sample: int = 1
+    # an output whose micro-batch parts concatenate to the plain value (each sample's rows together)
+    merges: bool = True
+    mixes_samples: tuple[str,
+                         ...] = ()  # (the node it is computed from that mixes samples, how): u @ v.T of two batches
+    # a 0-dim float output over micro-batches: "mean" (size-weighted), "sum", "count" or "unknown"
+    scalar_merge: str = "mean"
     count: TargetCount | None = None  # scalar_merge "count": the mean weighted by each micro-batch's count of targets
-    selected_rows: bool = False  # dim 0: rows a mask selected from the batch's rows, in their order (x[mask]): parts concatenate
+    # dim 0: rows a mask selected from the batch's rows, in their order (x[mask]): parts concatenate
+    selected_rows: bool = False
 
     @property
     def batched(self) -> bool:
@@ -74,7 +79,8 @@ class Plan:
     tolerance: float
     shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied weights: name -> stages
     notes: list[str] = field(default_factory=list)
-    across_micro_batches: list[str] = field(default_factory=list)  # batch rows that depend on other samples (h - h.mean(0), roll): warned at compile
+    # batch rows that depend on other samples (h - h.mean(0), roll): warned at compile
+    across_micro_batches: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
     memory: Any = None    # autopipe.memory_model.PredictedMemory: each stage's predicted bytes
     choice: Any = None    # autopipe.memory_model.AutoChoice, when chunks/schedule/checkpoint were "auto"
@@ -116,25 +122,33 @@ class Plan:
             return f"{len(infos)} / {human_bytes(sum(t.nbytes for t in infos))}"
 
         total = self.total_cost or 1.0
-        rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%", moved(s.inputs), moved(s.outputs),
+        rows = [[s.index, str(s.device), len(s.nodes), human_bytes(s.param_bytes), f"{100 * s.cost / total:.1f}%",
+                 moved(s.inputs), moved(s.outputs),
                  _shorten(", ".join(n for n in s.inputs if n not in self.graph_inputs) or "-")] for s in self.stages]
-        table = tabulate(rows, headers=["stage", "device", "nodes", "params", f"{self.balance} share", "in (n / bytes)", "out (n / bytes)", "receives"])
+        table = tabulate(rows,
+                         headers=["stage", "device", "nodes", "params", f"{self.balance} share", "in (n / bytes)",
+                                  "out (n / bytes)", "receives"])
         lines = [f"Plan: {self.n_stages} stages x {self.chunks} micro-batches, balanced by {self.balance}, "
                  f"traced by {self.route}", table, "Cuts (tensors crossing, at the whole mini-batch):"]
         for c in range(self.n_stages - 1):
             crossing = self.cut_tensors(c)
             names = ", ".join(f"{t.name}{list(t.shape)}" for t in crossing) or "nothing"
-            lines.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), {human_bytes(sum(t.nbytes for t in crossing))}: {_shorten(names, 100)}")
+            lines.append(f"  cut {c}|{c + 1}: {len(crossing)} tensor(s), "
+                         f"{human_bytes(sum(t.nbytes for t in crossing))}: {_shorten(names, 100)}")
         bound = self.bottleneck / self.lower_bound if self.lower_bound else 1.0
-        lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}   (lower bound = max(total/K, largest node))",
-                  f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup {self.predicted_speedup:.2f}x on "
-                  f"{self.n_stages} devices (efficiency {100 * self.predicted_speedup / self.n_stages:.0f}%)"]
-        replicas = {n: f" (on {d[0]}, replicated to {', '.join(map(str, d[1:]))} each step)" for n, d in self.param_devices.items() if len(d) > 1}
+        lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}   (lower bound = "
+                  f"max(total/K, largest node))",
+                  f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup "
+                  f"{self.predicted_speedup:.2f}x on {self.n_stages} devices (efficiency "
+                  f"{100 * self.predicted_speedup / self.n_stages:.0f}%)"]
+        replicas = {n: f" (on {d[0]}, replicated to {', '.join(map(str, d[1:]))} each step)"
+                    for n, d in self.param_devices.items() if len(d) > 1}
         shared = [f"{n} in stages {list(s)}{replicas.get(n, '')}" for n, s in self.shared_params.items()]
         if shared:
             lines.append("shared parameters (one tensor, gradients summed in stage order): " + ", ".join(shared))
         if self.pass_seconds:
-            lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: " + ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items()))
+            passes = ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items())
+            lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: {passes}")
         lines += [str(x) for x in (self.memory, self.choice) if x is not None]
         lines.extend(f"note: {n}" for n in self.notes + self.across_micro_batches)
         return "\n".join(lines)

@@ -66,7 +66,8 @@ def from_torch(target: Any) -> bool:
 
 
 def drawing(func: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """A random kernel's arguments by name where this call draws (not with probability 0, nor with train False); else None."""
+    """A random kernel's arguments by name where this call draws (not with probability 0, nor with train False); else
+    None."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return None
     bound = bind(func, args, kwargs) or {}
@@ -97,17 +98,25 @@ def draws_when_called(fn: Callable, args: tuple, kwargs: dict) -> bool:
 
 
 # a random op -> the value each draw takes (its mean, or one it can take: bernoulli keeps), from its bound arguments
-_FIXED: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "bernoulli": lambda b: 1.0, "uniform": lambda b: (b.get("from", 0.0) + b.get("to", 1.0)) / 2, "rand": lambda b: 0.5, "rand_like": lambda b: 0.5,
-    "normal": lambda b: b.get("mean", 0.0), "randn": lambda b: 0.0, "randn_like": lambda b: 0.0, "random": lambda b: b.get("from", 0),
-    "randint": lambda b: b.get("low", 0), "randint_like": lambda b: b.get("low", 0), "exponential": lambda b: 1.0 / b.get("lambd", 1.0),
-    "multinomial": lambda b: 0, "geometric": lambda b: 1, "log_normal": lambda b: math.exp(b.get("mean", 1.0)), "cauchy": lambda b: b.get("median", 0.0)}
+_FIXED: dict[str, Callable[[dict[str, Any]], Any]] = {"bernoulli": lambda b: 1.0,
+                                                      "uniform": lambda b: (b.get("from", 0.0) + b.get("to", 1.0)) / 2,
+                                                      "rand": lambda b: 0.5, "rand_like": lambda b: 0.5,
+                                                      "normal": lambda b: b.get("mean", 0.0), "randn": lambda b: 0.0,
+                                                      "randn_like": lambda b: 0.0,
+                                                      "random": lambda b: b.get("from", 0),
+                                                      "randint": lambda b: b.get("low", 0),
+                                                      "randint_like": lambda b: b.get("low", 0),
+                                                      "exponential": lambda b: 1.0 / b.get("lambd", 1.0),
+                                                      "multinomial": lambda b: 0, "geometric": lambda b: 1,
+                                                      "log_normal": lambda b: math.exp(b.get("mean", 1.0)),
+                                                      "cauchy": lambda b: b.get("median", 0.0)}
 
 
 class FixedDraws(TorchDispatchMode):
-    """Every random kernel's draws take fixed values (dropout keeps everything and scales): a training step of the plain model and one of the
-    pipeline compute the same numbers, whoever draws from which generator (autopipe.verify's train-mode check). A dispatch mode runs the
-    pipeline's tasks inline, on this thread. ``unfixed``: the random kernels it does not know (an LSTM's fused dropout)."""
+    """Every random kernel's draws take fixed values (dropout keeps everything and scales): a training step of the plain
+    model and one of the pipeline compute the same numbers, whoever draws from which generator (autopipe.verify's
+    train-mode check). A dispatch mode runs the pipeline's tasks inline, on this thread. ``unfixed``: the random kernels
+    it does not know (an LSTM's fused dropout)."""
 
     def __init__(self):
         super().__init__()
@@ -158,7 +167,8 @@ def _dropout(name: str, feature: bool = False, alpha: bool = False, batched_dim:
         channels = 1 if batched_dim is not None and input.dim() != batched_dim else 2
         if feature and input.dim() < channels:
             raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
-        noise = input.new_empty(input.shape[:channels] + (1,) * (input.dim() - channels)) if feature else torch.empty_like(input)
+        noise = input.new_empty(input.shape[:channels] + (1,) * (input.dim() - channels)) if feature \
+            else torch.empty_like(input)
         noise.bernoulli_(1 - p, generator=generator)
         if not alpha:
             return mul(noise.div_(1 - p))
@@ -199,9 +209,9 @@ _DEFAULT_GENERATORS = threading.Lock()
 
 
 def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **kwargs):
-    """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused attention), drawing from
-    ``generator``: the default generator is lent its state under a lock, ``generator`` moves on by what was drawn, the default gets its
-    own back. A CUDA generator's state is on the host (seed, offset): no synchronisation."""
+    """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused attention),
+    drawing from ``generator``: the default generator is lent its state under a lock, ``generator`` moves on by what was
+    drawn, the default gets its own back. A CUDA generator's state is on the host (seed, offset): no synchronisation."""
     device = generator.device
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
     with _DEFAULT_GENERATORS:
@@ -214,7 +224,8 @@ def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **k
             default.set_state(saved)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, generator=None):
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, generator=None):
     """On a GPU torch's own (fused flash / memory-efficient kernels) on ``generator``'s state; elsewhere its
     documentation's math reference (the lock around a CPU kernel would serialise the stages' attention)."""
     if generator is not None and query.device.type == "cuda":
@@ -263,7 +274,9 @@ def aten_route(op: OpOverload) -> tuple[str, Any]:
     if op in FUNCTIONS:
         return "function", FUNCTIONS[op][0]
     names = set(signature_of(op).parameters) | {"generator"}
-    if twins := [t for t in (op, *aten_overloads(op.overloadpacket, out=False)) if set(signature_of(t).parameters) == names]:
+    if twins := [t
+                 for t in (op,
+                           *aten_overloads(op.overloadpacket, out=False)) if set(signature_of(t).parameters) == names]:
         return "kwarg", twins[0]
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return "wrap", op
@@ -338,11 +351,13 @@ class _Routed:
 
 
 class _RoutedFunctions(_Routed, TorchFunctionMode):
-    """Attention dropout on the CPU, where torch's kernels draw from the default generator, runs our math (a GPU's reaches _RoutedKernels)."""
+    """Attention dropout on the CPU, where torch's kernels draw from the default generator, runs our math (a GPU's
+    reaches _RoutedKernels)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)) > 0 and args[0].device.type != "cuda":
+        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0)
+        if func is F.scaled_dot_product_attention and dropout > 0 and args[0].device.type != "cuda":
             return scaled_dot_product_attention(*args, **kwargs, generator=self.generator)
         return func(*args, **kwargs)
 
@@ -360,7 +375,8 @@ class _RoutedKernels(_Routed, TorchDispatchMode):
         if how != "kwarg" and self.generator.device.type == "cuda":
             return on_default_generator(self.generator, func, *args, **kwargs)
         if how != "kwarg":
-            raise UnroutedRandomOp(f"{func} draws random numbers inside {self.where} and takes no generator, so a recomputed forward would not replay "
-                                   f"it; set its dropout to 0 / call model.eval(), or use an op that takes a generator")
+            raise UnroutedRandomOp(f"{func} draws random numbers inside {self.where} and takes no generator, so a "
+                                   f"recomputed forward would not replay it; set its dropout to 0 / call model.eval(), "
+                                   f"or use an op that takes a generator")
         args, kwargs = with_generator(target, self.generator, args, kwargs)
         return target(*args, **kwargs)

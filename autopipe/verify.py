@@ -92,7 +92,8 @@ class Check:
         if self.informational and not self.rows:
             return f"[{self.name}] " + "; ".join(self.notes or ["nothing compared"])
         bit = ": bit for bit" if self.tolerance == 0 else ""
-        verdict = "info (not part of the verdict)" if self.informational else f"{'PASS' if self.passed else 'FAIL'} (tolerance {self.bound()}{bit})"
+        verdict = "info (not part of the verdict)" if self.informational \
+            else f"{'PASS' if self.passed else 'FAIL'} (tolerance {self.bound()}{bit})"
         lines = [f"[{self.name}] {verdict}", f"  run:       {self.run}", f"  reference: {self.reference}"]
         lines += [f"  note: {n}" for n in self.notes]
         if self.error is not None:
@@ -130,7 +131,8 @@ class VerifyReport:
                 continue
             if c.error is not None:
                 first = c.error.splitlines()[0]
-                parts.append(f"{c.name} raised {first.rstrip(':')}" + (" (why: print the report)" if first.endswith(":") else ""))
+                why = " (why: print the report)" if first.endswith(":") else ""
+                parts.append(f"{c.name} raised {first.rstrip(':')}{why}")
             elif not c.passed:
                 bad = sorted(c.failures, key=Row.worst, reverse=True)
                 names = ", ".join(r.name for r in bad[:3]) + (f", +{len(bad) - 3} more" if len(bad) > 3 else "")
@@ -145,7 +147,8 @@ class VerifyReport:
         where = f"{len(self.devices)} x {self.devices[0]}" if len(set(self.devices)) == 1 else ", ".join(self.devices)
         head = (f"autopipe.verify: {self.model} in {self.mode} mode ({_dtype_name(self.dtype)}), {len(self.devices)} "
                 f"stages on {where} x {self.chunks} micro-batches, checkpoint={self.checkpoint!r}\nloss: {self.loss}")
-        return "\n".join([head, *(f"note: {n}" for n in self.notes), *(f"\n{x}" for x in [*self.checks, self.verdict()])])
+        return "\n".join([head, *(f"note: {n}" for n in self.notes),
+                          *(f"\n{x}" for x in [*self.checks, self.verdict()])])
 
 
 def _fmt(x: float) -> str:
@@ -163,7 +166,8 @@ def _table(rows: list[Row], tolerance: float | None) -> str:
         shown += of_kind[:limit]
         if len(of_kind) > limit:
             hidden.append(f"{len(of_kind) - limit} more {kind} rows, each <= {_fmt(of_kind[limit].rel)}")
-    body = [[r.kind, r.name + (f" ({r.note})" if r.note else ""), _fmt(r.max_abs_diff), _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
+    body = [[r.kind, r.name + (f" ({r.note})" if r.note else ""), _fmt(r.max_abs_diff),
+             _fmt(r.max_abs_ref) + ("*" if r.floored else ""), _fmt(r.rel),
              "" if tolerance is None else "ok" if r.within(tolerance) else "FAIL"] for r in shown]
     text = tabulate(body, headers=["", "name", "max|Δ|", "max|ref|", "max|Δ|/max|ref|", ""], disable_numparse=True)
     text += "\n(" + "; ".join(hidden) + ")" if hidden else ""
@@ -185,8 +189,8 @@ class _Step:  # what one training step computed
 
 def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable, threads: int, seed: int = SEED,
           mode: TorchDispatchMode | None = None) -> _Step:
-    """One training step; ``mode`` (random_ops.FixedDraws, Draws) around the model's forward and backward (a recompute draws), not around
-    the loss's random projections."""
+    """One training step; ``mode`` (random_ops.FixedDraws, Draws) around the model's forward and backward (a recompute
+    draws), not around the loss's random projections."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     around_model = mode if mode is not None else contextlib.nullcontext()
@@ -196,8 +200,9 @@ def _step(model: torch.nn.Module, forward: Callable[[], Any], loss_fn: Callable,
     with around_model:
         loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return _Step(outputs=[(n, t.detach().clone()) for n, t in _leaves(output)], loss=loss.detach().clone(), grads=grads,
-                 buffers={n: b.detach().clone() for n, b in model.named_buffers()}, has_model_loss=_model_loss(output) is not None)
+    return _Step(outputs=[(n, t.detach().clone()) for n, t in _leaves(output)], loss=loss.detach().clone(),
+                 grads=grads, buffers={n: b.detach().clone() for n, b in model.named_buffers()},
+                 has_model_loss=_model_loss(output) is not None)
 
 
 def _leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
@@ -218,7 +223,8 @@ def _compare(kind: str, name: str, got: torch.Tensor | None, want: torch.Tensor 
     got, want = got.detach().cpu().to(exact), want.detach().cpu().to(exact)
     diff = torch.where((got == want) | (got.isnan() & want.isnan()), 0.0, (got - want).abs())  # max() keeps a NaN
     finite = want[want.isfinite()].abs()
-    return Row(kind, name, diff.max().item() if diff.numel() else 0.0, finite.max().item() if finite.numel() else 0.0, note=note)
+    return Row(kind, name, diff.max().item() if diff.numel() else 0.0, finite.max().item() if finite.numel() else 0.0,
+               note=note)
 
 
 def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_tolerance: float | None = None) -> list[Row]:
@@ -230,10 +236,13 @@ def _compare_steps(run: _Step, ref: _Step, buffers: bool = True, shared_toleranc
         row.floor = floor
         if shared_tolerance is not None and row.name in shared:
             row.tolerance = shared_tolerance
-            row.note = "; ".join(filter(None, [row.note, f"held by stages {', '.join(map(str, shared[row.name]))} (tied): bound {shared_tolerance:.0e}"]))
+            row.note = "; ".join(filter(None, [row.note, f"held by stages {', '.join(map(str, shared[row.name]))} "
+                                                         f"(tied): bound {shared_tolerance:.0e}"]))
     rows = [_compare("loss", "loss", run.loss, ref.loss)]
     rows += [_compare("output", name, got.get(name), t) for name, t in ref.outputs] + grads
-    if buffers:  # as for gradients: a running mean of centred values (~1e-18) is measured against the buffers' scale, not its own rounding
+    # as for gradients: a running mean of centred values (~1e-18) is measured against the buffers' scale, not its own
+    # rounding
+    if buffers:
         kept = [_compare("buffer", n, run.buffers.get(n), t) for n, t in ref.buffers.items()]
         for row in kept:
             row.floor = GRAD_FLOOR * max((b.max_abs_ref for b in kept), default=0.0)
@@ -263,17 +272,20 @@ def _copy(model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, mode: 
     try:
         twin = copy.deepcopy(model)
     except Exception as e:
-        raise TypeError(f"autopipe.verify works on deep copies of the model, and copy.deepcopy({type(model).__name__}) failed: {type(e).__name__}: {e}") from e
+        raise TypeError(f"autopipe.verify works on deep copies of the model, and copy.deepcopy({type(model).__name__}) "
+                        f"failed: {type(e).__name__}: {e}") from e
     twin.zero_grad()
     twin = twin.to(dtype) if dtype else twin
     cast = lambda t: t.detach().to(dtype) if dtype and t.is_floating_point() else t.detach()
     return twin if mode is None else twin.train(mode), pytree.tree_map_only(torch.Tensor, cast, inputs)
 
 
-def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: torch.dtype | None = None, mode: bool | None = None):
-    """Three steps of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout) equal under one seed only;
-    IRREPRODUCIBLE not even that (a Python counter, the model's own generator). The gradients count with the outputs: a branch behind a
-    zero-initialised gain (layer scale, Swin V2's post-norm) hides its dropout from the outputs, not from the gain's gradient."""
+def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: torch.dtype | None = None,
+                mode: bool | None = None):
+    """Three steps of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout)
+    equal under one seed only; IRREPRODUCIBLE not even that (a Python counter, the model's own generator). The gradients
+    count with the outputs: a branch behind a zero-initialised gain (layer scale, Swin V2's post-norm) hides its dropout
+    from the outputs, not from the gain's gradient."""
     twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
     results, kernels = [], random_ops.Draws()
@@ -286,7 +298,8 @@ def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: 
             step = _step(twin, lambda: twin(*args, **kwargs), loss_fn, threads=1, seed=seed, mode=kernels)
             results.append([t for _, t in step.outputs] + list(step.grads.values()))
     same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
-    # a random kernel that draws makes the model random even where two seeds happen to give one result (Phi-MoE's routing samples)
+    # a random kernel that draws makes the model random even where two seeds happen to give one result (Phi-MoE's
+    # routing samples)
     return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] and not kernels.seen else RANDOM
 
 
@@ -304,19 +317,23 @@ def _check(check: Check, run: Callable[[], _Step], ref: Callable[[], _Step], **c
     return check
 
 
-def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *, devices: int | Sequence[str | torch.device] = 2,
-           chunks: int = 4, checkpoint: str = "except_last", loss_fn: Callable[[Any], torch.Tensor] | None = None, **compile_kwargs: Any) -> VerifyReport:
-    """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against the plain model. ``devices=N``:
-    N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default: :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``."""
+def verify(model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *,
+           devices: int | Sequence[str | torch.device] = 2, chunks: int = 4, checkpoint: str = "except_last",
+           loss_fn: Callable[[Any], torch.Tensor] | None = None, **compile_kwargs: Any) -> VerifyReport:
+    """Check that ``autopipe.compile(model, ...)`` computes ``model``: one training step through the pipeline against
+    the plain model. ``devices=N``: N CPU workers. ``loss_fn(output)``: the scalar to differentiate (default:
+    :func:`default_loss`). ``compile_kwargs`` go to ``autopipe.compile``."""
     devices = [str(d) for d in resolve_devices(["cpu"] * devices if positive_int(devices) else devices)]
     Options.make(devices, chunks=chunks, checkpoint=checkpoint)  # a bad chunks or checkpoint, named now
     with preserved_global_state(), torch.enable_grad():  # the caller's RNG, grad mode and thread count stay
-        return _verify(model, as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint, loss_fn, compile_kwargs)
+        return _verify(model, as_tuple(example_inputs), dict(example_kwargs or {}), devices, chunks, checkpoint,
+                       loss_fn, compile_kwargs)
 
 
 def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
-    """Output leaf -> the plan's facts of it (a 0-dim loss: a mean or a sum over samples; rows a sample, the shape), so that the loop by hand
-    merges and refuses as the pipeline does; {} where the model does not plan (the checks say why)."""
+    """Output leaf -> the plan's facts of it (a 0-dim loss: a mean or a sum over samples; rows a sample, the shape), so
+    that the loop by hand merges and refuses as the pipeline does; {} where the model does not plan (the checks say
+    why)."""
     try:
         program = run_passes(model, args, kwargs, Options.make(devices, chunks=chunks), generate=False).main
     except Exception:  # noqa: BLE001
@@ -326,7 +343,8 @@ def _output_facts(model, args, kwargs, devices, chunks) -> dict[int, Any]:
 
 
 def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_kwargs) -> VerifyReport:
-    own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.get_default_dtype())
+    own = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()),
+               torch.get_default_dtype())
     training, caller_threads, mode_name = model.training, torch.get_num_threads(), "train" if model.training else "eval"
     batch = batch_rows(model, args, kwargs) or 0
     sizes = micro_batch_sizes(batch, chunks)
@@ -337,24 +355,28 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
             return outputs[0]
         flat = [pytree.tree_flatten(register_dataclasses(o)) for o in outputs]
         columns = enumerate(zip(*(leaves for leaves, _ in flat)))
-        return pytree.tree_unflatten([merge(c, sizes, facts.get(i)) if isinstance(c[0], torch.Tensor) else c[0] for i, c in columns], flat[0][1])
+        return pytree.tree_unflatten([merge(c, sizes, facts.get(i)) if isinstance(c[0], torch.Tensor) else c[0]
+                                      for i, c in columns], flat[0][1])
 
     @functools.cache
     def run(dtype, how: str, mode: bool | None = None, threads: int | None = None, fixed: bool = False) -> _Step:
-        """One step of a copy: ``how`` is "whole" (the plain model), "loop" (by micro-batch) or a checkpoint mode; ``fixed``: every random
-        draw takes a fixed value (random_ops.FixedDraws)."""
+        """One step of a copy: ``how`` is "whole" (the plain model), "loop" (by micro-batch) or a checkpoint mode;
+        ``fixed``: every random draw takes a fixed value (random_ops.FixedDraws)."""
         (twin, (a, k)), loss = _copy(model, (args, kwargs), dtype, mode), loss_fn or default_loss
         draws = random_ops.FixedDraws() if fixed else None
         if how in ("whole", "loop"):
             pieces = [(a, k)] if how == "whole" else split_target((a, k), sizes)
             # each micro-batch's graph keeps the buffers as it saw them, as with a backward per micro-batch
             buffers = {b.untyped_storage().data_ptr() for b in twin.buffers()}
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t, lambda t: t):
-                step = _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads, mode=draws)
+            pack = lambda t: t.clone() if t.untyped_storage().data_ptr() in buffers else t  # noqa: E731
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step = _step(twin, lambda: merged([twin(*x, **y) for x, y in pieces]), loss, threads or caller_threads,
+                             mode=draws)
             step.unfixed = draws.unfixed if draws is not None else set()
             return step
         options = {**compile_kwargs, **({"intra_op_threads": threads} if threads else {})}
-        pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, example_inputs=a, example_kwargs=k, **options)
+        pipe = compile_pipeline(twin, devices=devices, chunks=chunks, checkpoint=how, example_inputs=a,
+                                example_kwargs=k, **options)
         with contextlib.closing(pipe):
             step = _step(twin, lambda: pipe(*a, **k), loss, caller_threads, mode=draws)
             canonical = {id(p): n for n, p in twin.named_parameters()}  # tied weights under these names
@@ -370,11 +392,14 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     loop = f"the plain model by hand on the same {len(sizes)} micro-batches {tuple(sizes)}"
 
     # structure: the pipeline against the plain model, in float64 or else in the model's own dtype
-    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None), (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
+    for dtype, tolerance, threads in ((torch.float64, STRUCTURE_TOLERANCE, None),
+                                      (own, OWN_DTYPE_TOLERANCE.get(own, 1e-4), 1)):
         try:
             randomness = _randomness(model, args, kwargs, loss_fn or default_loss, dtype)
-            compare = training if randomness != RANDOM else False if (
-                training and _randomness(model, args, kwargs, loss_fn or default_loss, dtype, False) == DETERMINISTIC) else None  # None: no mode
+            eval_deterministic = randomness == RANDOM and training and _randomness(
+                model, args, kwargs, loss_fn or default_loss, dtype, False) == DETERMINISTIC
+            # the mode to compare in; None: none
+            compare = training if randomness != RANDOM else False if eval_deterministic else None
             reference = None if compare is None else run(dtype, "loop", compare, threads=1)
             break
         except Exception as e:
@@ -389,35 +414,56 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
         part = "is skipped (random in eval mode too)" if compare is None else "compares in eval mode (dropout off)"
         report.notes.append(f"the model draws random numbers in {mode_name} mode, the pipeline its own per stage and "
                             f"micro-batch: the structure part {part}; replay compares the pipeline with itself")
-    name, deferred = _dtype_name(dtype), bool(compile_kwargs.get("deferred_batch_norm"))  # deferred: BatchNorm statistics of the mini-batch
+    # deferred: BatchNorm statistics of the mini-batch
+    name, deferred = _dtype_name(dtype), bool(compile_kwargs.get("deferred_batch_norm"))
     skipped = ["deferred_batch_norm=True: buffers not compared"] if deferred else []
     if compare is None:
         report.structure.append(Check("structure", "-", "-", None, notes=["skipped: random in eval mode too"]))
     else:
         where = f"{'train' if compare else 'eval'} mode{' (dropout off)' if randomness == RANDOM else ''}, {name}"
-        structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, {where}{', 1 thread per worker' if threads else ''}",
+        structure = Check("structure", f"pipeline checkpoint={checkpoint!r}, "
+                                       f"{where}{', 1 thread per worker' if threads else ''}",
                           f"{loop}, {where}, 1 thread", tolerance, notes=list(skipped))
-        report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference, buffers=not deferred))
-    if randomness == RANDOM and training:  # the train-mode code eval mode skips (a checkpoint, a Function used in training only)
-        fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw fixed (dropout keeps "
-                      f"all), {name}", f"{loop}, the same", tolerance, notes=list(skipped))
-        report.structure.append(_check(fixed, lambda: run(dtype, checkpoint, True, threads, fixed=True),
-                                       lambda: run(dtype, "loop", True, 1, fixed=True), buffers=not deferred))
-        if unfixed := run(dtype, "loop", True, 1, fixed=True).unfixed if fixed.error is None else ():
-            fixed.tolerance = None
-            fixed.notes.append(f"for information: {', '.join(sorted(unfixed))} drew at random all the same")
-    if randomness == DETERMINISTIC:  # for information: GPipe's micro-batches against the whole batch
-        info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
-                            f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))
-        if any(r.worst() > tolerance for r in info.rows):
-            info.notes.append("this model mixes the rows of a batch (BatchNorm in training mode, a mean loss over "
-                              "tokens, ...): the structure part compares with GPipe's micro-batch loop")
-        report.structure.append(info)
+        report.structure.append(_check(structure, lambda: run(dtype, checkpoint, compare, threads), lambda: reference,
+                                       buffers=not deferred))
+    if randomness == RANDOM and training:
+        report.structure.append(_draws_fixed(run, dtype, checkpoint, threads, loop, tolerance, skipped, deferred))
+    if randomness == DETERMINISTIC:
+        report.structure.append(_micro_batching(run, reference, dtype, loop, batch, tolerance))
+    report.replay.append(_replay(run, own, mode_name))
+    return report
 
-    # replay: every micro-batch re-materialised against none, in the model's own dtype, bit for bit
+
+def _draws_fixed(run: Callable[..., _Step], dtype, checkpoint: str, threads, loop: str, tolerance: float,
+                 skipped: list[str], deferred: bool) -> Check:
+    """The train-mode code eval mode skips (a checkpoint, a Function used in training only), every draw fixed."""
+    fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw "
+                  f"fixed (dropout keeps all), {_dtype_name(dtype)}", f"{loop}, the same", tolerance,
+                  notes=list(skipped))
+    checked = _check(fixed, lambda: run(dtype, checkpoint, True, threads, fixed=True),
+                     lambda: run(dtype, "loop", True, 1, fixed=True), buffers=not deferred)
+    if unfixed := run(dtype, "loop", True, 1, fixed=True).unfixed if fixed.error is None else ():
+        fixed.tolerance = None
+        fixed.notes.append(f"for information: {', '.join(sorted(unfixed))} drew at random all the same")
+    return checked
+
+
+def _micro_batching(run: Callable[..., _Step], reference: _Step, dtype, loop: str, batch: int,
+                    tolerance: float) -> Check:
+    """For information: GPipe's micro-batches against the whole batch."""
+    name = _dtype_name(dtype)
+    info = _check(Check("micro-batching", f"{loop}, {name}", f"the plain model on the whole batch of {batch}, "
+                        f"{name}", None), lambda: reference, lambda: run(dtype, "whole", threads=1))
+    if any(r.worst() > tolerance for r in info.rows):
+        info.notes.append("this model mixes the rows of a batch (BatchNorm in training mode, a mean loss over "
+                          "tokens, ...): the structure part compares with GPipe's micro-batch loop")
+    return info
+
+
+def _replay(run: Callable[..., _Step], own, mode_name: str) -> Check:
+    """Every micro-batch re-materialised against none, in the model's own dtype, bit for bit."""
     one = f"{_dtype_name(own)}, 1 thread per worker, seed {SEED}"
     replay = Check("replay", f"pipeline checkpoint='always' (every micro-batch re-materialised), {mode_name} mode, "
                    f"{one}", f"pipeline checkpoint='never' (nothing re-materialised), {one}", 0.0)
-    report.replay.append(_check(replay, lambda: run(own, "always", threads=1), lambda: run(own, "never", threads=1),
-                                shared_tolerance=SHARED_GRAD_TOLERANCE.get(own, 1e-5)))
-    return report
+    return _check(replay, lambda: run(own, "always", threads=1), lambda: run(own, "never", threads=1),
+                  shared_tolerance=SHARED_GRAD_TOLERANCE.get(own, 1e-5))

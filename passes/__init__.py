@@ -1,1 +1,2 @@
-"""autopipe's compiler passes: trace -> cost -> partition -> codegen, one file and entry function each; none imports the runtime."""
+"""autopipe's compiler passes: trace -> cost -> partition -> codegen, one file and entry function each; none imports the
+runtime."""

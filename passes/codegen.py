@@ -26,7 +26,8 @@ from .diagnostics import node_where
 class Stage(fx.GraphModule):
     """``stage(*inputs) -> tuple(outputs)`` named by the plan; with ``uses_rng`` also ``generator=``."""
 
-    def __init__(self, root: torch.nn.Module, graph: fx.Graph, plan: StagePlan, header: str, attributes: dict[str, Any], cloned_inputs: list[str]):
+    def __init__(self, root: torch.nn.Module, graph: fx.Graph, plan: StagePlan, header: str,
+                 attributes: dict[str, Any], cloned_inputs: list[str]):
         super().__init__(_Root(root, {**attributes, "stage_device": plan.device}), graph, f"Stage{plan.index}")
         self.index = plan.index
         self.input_names, self.output_names = list(plan.inputs), list(plan.outputs)
@@ -90,8 +91,10 @@ class _CodeGen(fx.graph.CodeGen):
 
     def __init__(self, graph: fx.Graph, model: torch.nn.Module):
         super().__init__()
-        nested = {n.target: re.sub(r"\W", "_", n.target) for n in graph.nodes if n.op == "call_module" and "." in n.target}
-        self.aliases = {t: a for t, a in nested.items() if a.isidentifier() and not hasattr(model, a) and not hasattr(Stage, a)}
+        nested = {n.target: re.sub(r"\W", "_", n.target) for n in graph.nodes if n.op == "call_module"
+                  and "." in n.target}
+        self.aliases = {t: a for t, a in nested.items() if a.isidentifier() and not hasattr(model, a)
+                        and not hasattr(Stage, a)}
 
     def _gen_python_code(self, nodes, *args, **kwargs):
         code = super()._gen_python_code(nodes, *args, **kwargs)
@@ -103,20 +106,24 @@ class _CodeGen(fx.graph.CodeGen):
 
 
 def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
-    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an output the micro-batches cannot give."""
+    """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an output
+    the micro-batches cannot give."""
     facts = _GraphFacts(graph_module)
     for name in plan.graph_outputs if plan.chunks > 1 else ():
         info = plan.tensors.get(name)
         if info is not None and info.mixes_samples:
             source, how = info.mixes_samples
-            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) is computed from {node_where(facts.nodes[source])}, "
-                             f"which {how}; a micro-batch holds only its own samples, so no merge of what {plan.chunks} micro-batches "
-                             f"give is the plain model's value; compute it outside the model from per-sample outputs, or run with chunks=1")
+            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) is computed from "
+                             f"{node_where(facts.nodes[source])}, which {how}; a micro-batch holds only its own "
+                             f"samples, so no merge of what {plan.chunks} micro-batches give is the plain model's "
+                             f"value; compute it outside the model from per-sample outputs, or run with chunks=1")
         if info is not None and info.kind == "tensor" and info.shape and not info.merges:
-            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim 0 does not hold the batch as "
-                             f"whole samples (a value over the batch, or several rows a sample that autopipe cannot show stay together: torch.cat of "
-                             f"batch tensors along dim 0, a flatten after a transpose), so no concatenation of what {plan.chunks} micro-batches give "
-                             f"is the plain model's value; return it per sample, compute it outside the model, or run with chunks=1")
+            raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim "
+                             f"0 does not hold the batch as whole samples (a value over the batch, or several rows a "
+                             f"sample that autopipe cannot show stay together: torch.cat of batch tensors along dim 0, "
+                             f"a flatten after a transpose), so no concatenation of what {plan.chunks} micro-batches "
+                             f"give is the plain model's value; return it per sample, compute it outside the model, or "
+                             f"run with chunks=1")
     stages = []
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]
@@ -141,7 +148,8 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         _use_stage_device(graph, graph_module, attributes, sp.device)
         graph.lint()
         graph.set_codegen(_CodeGen(graph, graph_module))
-        stages.append(Stage(graph_module, graph, sp, _header(plan, sp, routes, writable), attributes, [n.name for n in writable]))
+        stages.append(Stage(graph_module, graph, sp, _header(plan, sp, routes, writable), attributes,
+                            [n.name for n in writable]))
     return stages
 
 
@@ -161,13 +169,16 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
         values = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         return ("wrap", node.target, {}) if random_ops.draws_when_called(node.target, *values) else None
     target = random_ops.resolve(node.target, node.args, node.kwargs)
-    if isinstance(target, types.FunctionType) and not random_ops.from_torch(target) and not (target.__module__ or "").startswith("autopipe"):
+    if isinstance(target,
+                  types.FunctionType) and not random_ops.from_torch(target) and not (target.__module__
+                                                                                     or "").startswith("autopipe"):
         return "wrap", target, {}  # a function fx did not look into (fx.wrap: torchvision's stochastic_depth, a user's)
     if isinstance(target, HigherOrderOperator):  # export's no_grad / autocast regions: subgraphs
         subgraphs = [operator.attrgetter(a.target)(gm) for a in node.all_input_nodes if a.op == "get_attr"]
         draws = any(_route(n, sub, sp) for sub in subgraphs if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes)
         return ("wrap", target, {}) if draws else None
-    if not random_ops.is_random_target(target) or not random_ops.draws(random_ops.bind(target, node.args, node.kwargs) or {}):
+    if not random_ops.is_random_target(target) or not random_ops.draws(random_ops.bind(target, node.args, node.kwargs)
+                                                                       or {}):
         return None
     if target in random_ops.FUNCTIONS:
         return "function", *random_ops.FUNCTIONS[target]
@@ -182,9 +193,10 @@ def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, 
     elif node.op == "call_function":  # a torch Python function that draws inside (F.gumbel_softmax)
         return "wrap", target, {}
     raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
-        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random numbers but takes no generator "
-        f"and nothing it runs can be given one, so the pipeline could not replay it when it recomputes the stage for backward. Set its dropout "
-        f"probability to 0 or call model.eval(), or use an op that takes a generator (torch.rand, ...).")
+        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random "
+        f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
+        f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use an "
+        f"op that takes a generator (torch.rand, ...).")
 
 
 def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dict, generator: fx.Node,
@@ -219,9 +231,9 @@ def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dic
 
 
 def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[str, Any], device: torch.device) -> bool:
-    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph of export's no_grad / autocast
-    regions that names one is copied into ``attributes`` and reads its own, which Stage._apply moves with the stage. Returns whether ``graph`` reads
-    the device."""
+    """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph of
+    export's no_grad / autocast regions that names one is copied into ``attributes`` and reads its own, which
+    Stage._apply moves with the stage. Returns whether ``graph`` reads the device."""
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         read = graph.create_node("get_attr", "stage_device", name="stage_device")
     swap = lambda value: read if isinstance(value, torch.device) else value
@@ -231,7 +243,8 @@ def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[s
             own: dict[str, Any] = {}
             if _use_stage_device(subgraph := copy.deepcopy(sub.graph), sub, own, device):
                 node.target = re.sub(r"\W", "_", node.target)
-                attributes[node.target] = fx.GraphModule(_Root(sub, {**own, "stage_device": device}), subgraph, type(sub).__name__)
+                attributes[node.target] = fx.GraphModule(_Root(sub, {**own, "stage_device": device}), subgraph,
+                                                         type(sub).__name__)
                 copied = True
             continue
         # also a device="cuda:0" string written in the model's code
@@ -254,12 +267,14 @@ _INPLACE_OPERATORS = frozenset({operator.setitem} | {getattr(operator, f"i{name}
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")})
 _INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
 # results that may share storage with their first argument: views, and conversions that may return ``self``
-_VIEW_NAMES = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint", "permute", "unsqueeze", "squeeze",
-                         "expand", "expand_as", "narrow", "select", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk",
-                         "unbind", "flatten", "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim", "moveaxis", "swapaxes",
-                         "swapdims", "unfold", "real", "imag", "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to",
-                         "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu", "cuda", "data",
-                         "__getitem__", "align_to", "rename", "refine_names", "indices", "values"})
+_VIEW_NAMES = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint",
+                         "permute", "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select", "split",
+                         "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk", "unbind",
+                         "flatten", "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim",
+                         "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag", "view_as_real",
+                         "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to", "type", "type_as",
+                         "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu",
+                         "cuda", "data", "__getitem__", "align_to", "rename", "refine_names", "indices", "values"})
 _BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index"})
 
 
@@ -292,16 +307,22 @@ def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tupl
         name, signature = random_ops.op_name(target), random_ops.signature_of(target)
         inplace = signature is not None and "inplace" in signature.parameters \
             and (random_ops.bind(target, node.args, node.kwargs) or {}).get("inplace") is True
-        if inplace or (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS or target in _INPLACE_OPERATORS:
+        if inplace or (name.endswith("_")
+                       and not name.startswith("__")) or name in _INPLACE_DUNDERS or target in _INPLACE_OPERATORS:
             written = [first]
         if node.op == "call_method":
             view = target in _VIEW_NAMES
         elif target is operator.getitem:  # a tensor indexed by tensors or lists is copied; a tuple's item aliases
             index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            view = first is None or not isinstance(first.meta.get("val"), torch.Tensor) or not any(
-                isinstance(p, list) or (isinstance(p, fx.Node) and isinstance(p.meta.get("val"), torch.Tensor)) for p in index)
+            view = first is None or not isinstance(first.meta.get("val"),
+                                                   torch.Tensor) or not any(isinstance(p, list)
+                                                                            or (isinstance(p, fx.Node)
+                                                                                and isinstance(p.meta.get("val"),
+                                                                                               torch.Tensor))
+                                                                            for p in index)
         else:  # torch.Tensor.view is a method descriptor: its class names the module
-            module = getattr(target, "__module__", None) or getattr(getattr(target, "__objclass__", None), "__module__", "")
+            module = getattr(target, "__module__", None) or getattr(getattr(target, "__objclass__", None),
+                                                                    "__module__", "")
             view = target is getattr or (str(module).startswith("torch") and name in _VIEW_NAMES)
         aliased = [first] if view or written else []
     if node.op != "call_module":
@@ -346,8 +367,8 @@ class _GraphFacts:
             node = self.alias[node]
 
     def check_writes(self, plan: Plan, sp: StagePlan, inputs: list[fx.Node], body: list[fx.Node]) -> list[fx.Node]:
-        """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or the model's output) would have
-        to see: each stage gets its own copy of what it receives."""
+        """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or
+        the model's output) would have to see: each stage gets its own copy of what it receives."""
         input_set, body_set, own = set(inputs), set(body), {self.nodes[n] for n in sp.nodes}
         recomputed_elsewhere = {self.nodes[n] for s in plan.stages if s.index != sp.index for n in s.replicated}
 
@@ -366,31 +387,38 @@ class _GraphFacts:
                     if m not in body_set and m not in input_set and any(v in own for v in self.views_back(m)):
                         continue  # a later stage's view of what this stage sent once it had run, the write included
                     for u in m.users:
-                        # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this stage sends, which is the
+                        # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this
+                        # stage sends, which is the
                         # write's result only for a tensor made here
                         elsewhere = u not in body_set or u in recomputed_elsewhere
                         if self.order[u] > self.order[w] and not (same and (m in own or not elsewhere)):
                             reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
                             raise ValueError(
-                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value {reader} reads afterwards "
-                                f"through {m.name}; each stage gets its own copy of a tensor it receives, so that read would not see the write. Write "
-                                f"out of place there (x = x + y rather than x += y, inplace=False), or move the cut.")
-        return list(dict.fromkeys(root for root in (local_root(a) for w in body for a in self.writes[w]) if root in input_set))
+                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose "
+                                f"value {reader} reads afterwards through {m.name}; each stage gets its own copy of a "
+                                f"tensor it receives, so that read would not see the write. Write out of place there "
+                                f"(x = x + y rather than x += y, inplace=False), or move the cut.")
+        return list(dict.fromkeys(root
+                                  for root in (local_root(a) for w in body
+                                               for a in self.writes[w]) if root in input_set))
 
 
 def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers written by in-place ops; those of them
-    no BatchNorm writes)."""
+    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers written
+    by in-place ops; those of them no BatchNorm writes)."""
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
     facts, written = _GraphFacts(stage), []
-    for node in stage.graph.find_nodes(op="call_module"):  # code the graph does not show may write its buffers: spectral_norm's power iteration
+    # code the graph does not show may write its buffers: spectral_norm's power iteration
+    for node in stage.graph.find_nodes(op="call_module"):
         module = stage.get_submodule(node.target)
-        if any(m._forward_hooks or m._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(m) or not random_ops.from_torch(type(m))
-               for m in module.modules()):
-            written += [b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers(recurse=False)]
+        if any(m._forward_hooks or m._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(m)
+               or not random_ops.from_torch(type(m)) for m in module.modules()):
+            written += [b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                        for b in m.buffers(recurse=False)]
     for node, args in facts.writes.items():
-        by_norm = node.op != "call_module" and random_ops.op_name(random_ops.resolve(node.target, node.args, node.kwargs)) in _BATCH_NORMS
+        by_norm = node.op != "call_module" and random_ops.op_name(random_ops.resolve(node.target, node.args,
+                                                                                     node.kwargs)) in _BATCH_NORMS
         for base in (facts.base[a] for a in args):
             value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
@@ -401,9 +429,11 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
 def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: list[fx.Node]) -> str:
     lines = [f"# autopipe stage {sp.index} of {plan.n_stages} on {sp.device}: {len(sp.nodes)} nodes, "
              f"{100 * sp.cost / (plan.total_cost or 1):.1f}% of the {plan.balance}"]
-    lines += [f"#   in  {n:<28} from {'model input' if (p := plan.tensors[n].producer) < 0 else f'stage {p}'}" for n in sp.inputs]
+    lines += [f"#   in  {n:<28} from {'model input' if (p := plan.tensors[n].producer) < 0 else f'stage {p}'}"
+              for n in sp.inputs]
     for n in sp.outputs:
-        sinks = [f"stage {c}" for c in plan.tensors[n].consumers] + (["model output"] if plan.tensors[n].is_output else [])
+        sinks = [f"stage {c}"
+                 for c in plan.tensors[n].consumers] + (["model output"] if plan.tensors[n].is_output else [])
         lines.append(f"#   out {n:<28} to {', '.join(sinks)}")
     notes = (("recomputed here instead of received", list(sp.replicated)),
              ("random ops draw from the generator argument", [n.name for n in routes]),
@@ -415,9 +445,10 @@ def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: lis
 # -- counts of targets -------------------------------------------------------------------
 
 def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | None:
-    """Plain code over a micro-batch's flat inputs that returns, for each output merged by count (``TargetCount``), how many
-    targets its loss averages over. It runs on every micro-batch before the step, so that under 1F1B the first loss's
-    backward already has its weight: the micro-batch's count over the whole batch's. None where no output needs it."""
+    """Plain code over a micro-batch's flat inputs that returns, for each output merged by count (``TargetCount``), how
+    many targets its loss averages over. It runs on every micro-batch before the step, so that under 1F1B the first
+    loss's backward already has its weight: the micro-batch's count over the whole batch's. None where no output needs
+    it."""
     counted = [info.count for name in plan.graph_outputs if (info := plan.tensors.get(name)) is not None and info.count]
     if not counted:
         return None
@@ -437,8 +468,10 @@ def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | 
         target = env[nodes[c.target]]
         valid = graph.call_function(operator.ne, (target, c.ignore_index))
         if c.weight is not None:  # torch's total_weight: the class weights of the targets not ignored
-            weight = graph.call_method("to", (graph.get_attr(c.weight), graph.call_function(getattr, (target, "device"))))
-            picked = graph.call_function(operator.getitem, (weight, graph.call_function(torch.where, (valid, target, 0))))
+            weight = graph.call_method("to",
+                                       (graph.get_attr(c.weight), graph.call_function(getattr, (target, "device"))))
+            picked = graph.call_function(operator.getitem,
+                                         (weight, graph.call_function(torch.where, (valid, target, 0))))
             valid = graph.call_function(operator.mul, (picked, valid))
         counts.append(graph.call_method("sum", (valid,)))
     graph.output(tuple(counts))

@@ -60,7 +60,8 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
             names = []
             if node.op == "call_module":
                 module = gm.get_submodule(node.target)
-                for name, t in [*module.named_parameters(node.target, remove_duplicate=False), *module.named_buffers(node.target, remove_duplicate=False)]:
+                for name, t in [*module.named_parameters(node.target, remove_duplicate=False),
+                                *module.named_buffers(node.target, remove_duplicate=False)]:
                     names.append(canonical.get(name, name))
                     tensor_bytes[names[-1]] = t.nbytes
             names += [canonical.get(a.target, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
@@ -72,8 +73,9 @@ def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None =
         with scalar_buffers_kept(gm, every_buffer=True), torch.no_grad():  # running stats must not move
             for _ in range(3):
                 _Timer(gm, seconds).run(*measure_inputs)
-    costs = {n.name: NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")), params=params[n],
-                              seconds=statistics.median(seconds[n.name]) if seconds else None) for n in params}
+    costs = {n.name: NodeCost(flops=int(flops[n]) or _numel(n.meta.get("val")), out_bytes=_nbytes(n.meta.get("val")),
+                              params=params[n], seconds=statistics.median(seconds[n.name]) if seconds else None)
+             for n in params}
     return CostedGraph(traced=traced, costs=costs, tensor_bytes=tensor_bytes)
 
 
@@ -87,11 +89,13 @@ _CONV_TRANSPOSE = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, a
                    aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 _ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
 # elementwise work or a gather: one FLOP per output element
-_CHEAP_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh, nn.Mish, nn.Softplus,
-                  nn.ELU, nn.Softmax, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm,
-                  nn.Embedding, nn.Identity, nn.Flatten, nn.Upsample, nn.PixelShuffle, nn.modules.pooling._MaxPoolNd,
-                  nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd)
-_TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.functional", "torch._C._VariableFunctions"}
+_CHEAP_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh,
+                  nn.Mish, nn.Softplus, nn.ELU, nn.Softmax, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm,
+                  nn.RMSNorm, nn.modules.batchnorm._BatchNorm, nn.Embedding, nn.Identity, nn.Flatten, nn.Upsample,
+                  nn.PixelShuffle, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                  nn.modules.pooling._AdaptiveAvgPoolNd)
+_TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.functional",
+                  "torch._C._VariableFunctions"}
 
 
 def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
@@ -103,7 +107,8 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
         if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             return 0 if isinstance(module, _CHEAP_MODULES) else None
         transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
-        # from the module's sizes: a parametrized weight (spectral_norm's power iteration) is computed, its buffers written, where it is read
+        # from the module's sizes: a parametrized weight (spectral_norm's power iteration) is computed, its buffers
+        # written, where it is read
         per_element = module.in_features if isinstance(module, nn.Linear) else \
             (module.out_channels if transposed else module.in_channels) // module.groups * math.prod(module.kernel_size)
     elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
@@ -125,10 +130,12 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
 
 
 class _Flops(TorchDispatchMode):
-    """torch.utils.flop_counter's count (flop_registry, decomposing what it has no formula for), without FlopCounterMode's module tracker,
-    whose global module hooks reach other threads' modules: a pipeline training there while this one compiles."""
+    """torch.utils.flop_counter's count (flop_registry, decomposing what it has no formula for), without
+    FlopCounterMode's module tracker, whose global module hooks reach other threads' modules: a pipeline training there
+    while this one compiles."""
 
-    supports_higher_order_operators = True  # export's no_grad / autocast regions: their bodies are counted, as FlopCounterMode counts them
+    # export's no_grad / autocast regions: their bodies are counted, as FlopCounterMode counts them
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
@@ -138,7 +145,8 @@ class _Flops(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return NotImplemented
         kwargs = kwargs or {}
-        if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:  # prim::device: as FlopCounterMode
+        # prim::device: as FlopCounterMode
+        if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
             with self:  # its parts are counted (einsum's bmm)
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
@@ -168,8 +176,9 @@ def _measured_flops(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, i
 
 
 class _Timer(MutableArguments):
-    """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on the CPU; on a GPU, CUDA
-    events around the node, read once the run is done (the host clock would time only the kernel launch)."""
+    """Runs the graph eagerly on real inputs, adding each node's time to seconds (balance="time"): wall time on the
+    CPU; on a GPU, CUDA events around the node, read once the run is done (the host clock would time only the kernel
+    launch)."""
 
     def __init__(self, gm: fx.GraphModule, seconds: dict[str, list[float]]):
         super().__init__(gm)
@@ -190,7 +199,8 @@ class _Timer(MutableArguments):
         return result
 
     def run(self, *args):
-        cuda = next((t.device for t in itertools.chain(args, self.module.parameters()) if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        cuda = next((t.device for t in itertools.chain(args, self.module.parameters()) if isinstance(t, torch.Tensor)
+                     and t.is_cuda), None)
         self.events = [] if cuda else None
         with torch.cuda.device(cuda) if cuda else contextlib.nullcontext():  # events on the model's GPU
             result = super().run(*args)

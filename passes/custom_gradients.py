@@ -1,14 +1,15 @@
 """Gradients a model defines in Python, which a traced graph would drop: the trace pass keeps them or refuses them.
 
-- A custom autograd.Function: both routes traced into its forward and dropped its backward, so the pipeline differentiated the
-  forward's ops instead (a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's sparsemixer: other gradients,
-  silently). fx records a call of the Function; torch.export records an opaque custom op (``autopipe::autograd_function``), which
-  export_route swaps for the same call.
-- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()`` before transformers 5) runs its function inline: export traced
-  it under no_grad, and no gradient reached the checkpointed layers. The pipeline re-materialises stages itself.
-- A module's backward hook runs where the module is called whole (fx keeps it so; export is refused); a tensor hook registered in the
-  forward (``h.register_hook(f)``) is refused: no graph holds it.
-docs/architecture.md, "Custom gradients"."""
+- A custom autograd.Function: both routes traced into its forward and dropped its backward, so the pipeline
+  differentiated the forward's ops instead (a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's
+  sparsemixer: other gradients, silently). fx records a call of the Function; torch.export records an opaque custom op
+  (``autopipe::autograd_function``), which export_route swaps for the same call.
+- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()`` before transformers 5) runs
+  its function inline: export traced it under no_grad, and no gradient reached the checkpointed layers. The pipeline
+  re-materialises stages itself.
+- A module's backward hook runs where the module is called whole (fx keeps it so; export is refused); a tensor hook
+  registered in the forward (``h.register_hook(f)``) is refused: no graph holds it. docs/architecture.md, "Custom
+  gradients"."""
 from __future__ import annotations
 
 import contextlib
@@ -23,24 +24,33 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-_TORCH_HOOKS = tuple(os.path.join(os.path.dirname(torch.__file__), *p) for p in (("utils", "hooks.py"), ("nn", "modules", "module.py")))
+_TORCH_HOOKS = tuple(os.path.join(os.path.dirname(torch.__file__), *p)
+                     for p in (("utils", "hooks.py"), ("nn", "modules", "module.py")))
 _PATCH = threading.Lock()
-_replaced: dict[str, Any] = {}       # what the first trace on any thread replaced (torch's own, or a user's patch), put back by the last
-_tracing: dict[int, list[tuple[str, bool]]] = {}  # thread ident -> the reentrant checkpoints its trace ran inline, and whether with grad
+# what the first trace on any thread replaced (torch's own, or a user's patch), put back by the last
+_replaced: dict[str,
+                Any] = {}
+# thread ident -> the reentrant checkpoints its trace ran inline, and whether with grad
+_tracing: dict[int,
+               list[tuple[str,
+                          bool]]] = {}
 _exporting = threading.local()       # .calls: export_route's calls of the custom op, by number, while it exports
 _TENSOR = object()                   # where a tensor goes among an output's leaves
 
 
 class FunctionCall:
-    """``function.apply`` with the call's other arguments baked in, called with the traced values (tensors; on fx also sizes) in order. With
-    ``flat``, it returns the tensors of the Function's output as a list, as the custom op does on the export route."""
+    """``function.apply`` with the call's other arguments baked in, called with the traced values (tensors; on fx also
+    sizes) in order. With ``flat``, it returns the tensors of the Function's output as a list, as the custom op does on
+    the export route."""
 
     def __init__(self, function: type, spec: pytree.TreeSpec, leaves: list[Any], slots: list[int], flat: bool = False):
         self.function, self.spec, self.slots, self.flat = function, spec, slots, flat
-        self.leaves = [None if i in slots else leaf for i, leaf in enumerate(leaves)]  # the call's other arguments; the values fill the slots
+        self.leaves = [None if i in slots else leaf
+                       for i, leaf in enumerate(leaves)]  # the call's other arguments; the values fill the slots
         self.__name__ = self.__qualname__ = f"{function.__name__}_apply"  # the name fx writes into the stage code
         self.__module__ = ""  # so that fx makes it a global of the code, never an attribute path into torch
-        self.output: tuple[pytree.TreeSpec, list[Any]] | None = None  # the export route's: the output's structure and non-tensor leaves
+        self.output: tuple[pytree.TreeSpec,
+                           list[Any]] | None = None  # the export route's: the output's structure and non-tensor leaves
 
     def run(self, *values: Any) -> Any:
         filled = dict(zip(self.slots, values))
@@ -49,8 +59,9 @@ class FunctionCall:
         versions = [t._version for t in tensors]
         output = _apply_unpatched(self.function, *args, **kwargs)
         if [t._version for t in tensors] != versions:  # seen by the shape runs of the trace, before anything else runs
-            raise TypeError(f"{self!r} writes its input in place (ctx.mark_dirty): autopipe keeps a custom autograd.Function whole, and its analysis of "
-                            f"in-place writes (which stage must see one, what a recompute must not redo) cannot see into it; return a new tensor")
+            raise TypeError(f"{self!r} writes its input in place (ctx.mark_dirty): autopipe keeps a custom "
+                            f"autograd.Function whole, and its analysis of in-place writes (which stage must see one, "
+                            f"what a recompute must not redo) cannot see into it; return a new tensor")
         return output
 
     def __call__(self, *values: Any) -> Any:
@@ -62,10 +73,12 @@ class FunctionCall:
 
 
 def _recorded_call(tensors: list[torch.Tensor], call: int) -> list[torch.Tensor]:
-    """Export's record of one Function call: the forward on (fake or real) values; its structure is kept for the traced Python."""
+    """Export's record of one Function call: the forward on (fake or real) values; its structure is kept for the traced
+    Python."""
     calls = getattr(_exporting, "calls", None)
     if calls is None:
-        raise RuntimeError("autopipe::autograd_function runs only while autopipe exports a model: a graph still calls it (a bug in autopipe)")
+        raise RuntimeError("autopipe::autograd_function runs only while autopipe exports a model: a graph still calls "
+                           "it (a bug in autopipe)")
     function = calls[call]
     with torch.no_grad():
         output = function.run(*tensors)
@@ -99,8 +112,9 @@ def _apply(cls, *args, **kwargs):
     if calls is None:  # not inside an export (FakeTensorProp runs the graph's calls through FunctionCall.run)
         return _apply_unpatched(cls, *args, **kwargs)
     if sizes := [leaf for leaf in leaves if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]:
-        raise TypeError(f"{cls.__qualname__}.apply is given {sizes[0]}, a number set by the batch size: autopipe keeps a custom autograd.Function "
-                        f"whole and bakes its non-tensor arguments in; pass such a number as a tensor")
+        raise TypeError(f"{cls.__qualname__}.apply is given {sizes[0]}, a number set by the batch size: autopipe keeps "
+                        f"a custom autograd.Function whole and bakes its non-tensor arguments in; pass such a number "
+                        f"as a tensor")
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     call = FunctionCall(cls, spec, leaves, slots, flat=True)
     calls.append(call)
@@ -110,11 +124,13 @@ def _apply(cls, *args, **kwargs):
 
 
 def _named(function: Any) -> str:
-    """A checkpointed function by its module's class (Hugging Face checkpoints ``partial(layer.__call__, ...)``), else its own name."""
+    """A checkpointed function by its module's class (Hugging Face checkpoints ``partial(layer.__call__, ...)``), else
+    its own name."""
     while isinstance(function, functools.partial):
         function = function.func
     owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
-    return type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(function, "__qualname__", type(function).__name__)
+    return type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(function, "__qualname__",
+                                                                                   type(function).__name__)
 
 
 def _apply_unpatched(cls, *args, **kwargs):
@@ -128,32 +144,37 @@ def _register_hook(tensor: torch.Tensor, hook: Any):
     register_multi_grad_hook (nn.Module's own hook machinery runs as it does)."""
     frames = traceback.extract_stack(limit=2)
     if threading.get_ident() in _tracing and not frames[0].filename.startswith(_TORCH_HOOKS):
-        user = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(os.path.dirname(torch.__file__))), frames[0])
-        raise TypeError(f"the forward registers a gradient hook on a tensor ({user.filename}:{user.lineno}: {user.line}): a traced graph holds no "
-                        f"hook, so the pipeline would never run it; write it as a custom torch.autograd.Function (autopipe keeps those whole), or "
-                        f"register it on a module whole (register_full_backward_hook) on the fx route")
+        torch_dir = os.path.dirname(torch.__file__)
+        user = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(torch_dir)),
+                    frames[0])
+        raise TypeError(f"the forward registers a gradient hook on a tensor ({user.filename}:{user.lineno}: "
+                        f"{user.line}): a traced graph holds no hook, so the pipeline would never run it; write it as "
+                        f"a custom torch.autograd.Function (autopipe keeps those whole), or register it on a module "
+                        f"whole (register_full_backward_hook) on the fx route")
     return (_replaced.get("register_hook") or torch.Tensor.register_hook)(tensor, hook)
 
 
 def backward_hooked(model: torch.nn.Module) -> list[str]:
-    """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module holds no hook of
-    its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
+    """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module
+    holds no hook of its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
     return [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
 
 
 @contextlib.contextmanager
 def kept_whole() -> Iterator[list[tuple[str, bool]]]:
-    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields each function run inline, and whether
-    with grad), tensor hooks refused."""
+    """Around a trace on this thread: custom Functions kept whole, reentrant checkpoints inline (yields each function
+    run inline, and whether with grad), tensor hooks refused."""
     module_hooks = torch.nn.modules.module
     if module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks:
-        raise TypeError("a global module backward hook is set (torch.nn.modules.module.register_module_full_backward_hook): a traced graph holds "
-                        "no module's backward hook, so it would not run where it runs on the plain model; remove it while compiling and training, "
-                        "or register it on the modules themselves")
+        raise TypeError("a global module backward hook is set "
+                        "(torch.nn.modules.module.register_module_full_backward_hook): a traced graph holds no "
+                        "module's backward hook, so it would not run where it runs on the plain model; remove it while "
+                        "compiling and training, or register it on the modules themselves")
     ran_inline: list[tuple[str, bool]] = []
     with _PATCH:
         if not _tracing:
-            _replaced.update(apply=torch.autograd.Function.__dict__["apply"], register_hook=torch.Tensor.__dict__["register_hook"])
+            _replaced.update(apply=torch.autograd.Function.__dict__["apply"],
+                             register_hook=torch.Tensor.__dict__["register_hook"])
             torch.autograd.Function.apply = classmethod(_apply)
             torch.Tensor.register_hook = _register_hook
         _tracing[threading.get_ident()] = ran_inline
@@ -163,12 +184,14 @@ def kept_whole() -> Iterator[list[tuple[str, bool]]]:
         with _PATCH:
             del _tracing[threading.get_ident()]
             if not _tracing:
-                torch.autograd.Function.apply, torch.Tensor.register_hook = _replaced.pop("apply"), _replaced.pop("register_hook")
+                torch.autograd.Function.apply = _replaced.pop("apply")
+                torch.Tensor.register_hook = _replaced.pop("register_hook")
 
 
 @contextlib.contextmanager
 def exporting() -> Iterator[list[FunctionCall]]:
-    """Around torch.export: each Function call becomes a custom op numbering it in the list yielded (``calls_restored`` reads it back)."""
+    """Around torch.export: each Function call becomes a custom op numbering it in the list yielded (``calls_restored``
+    reads it back)."""
     _exporting.calls = calls = []
     try:
         yield calls
@@ -177,8 +200,8 @@ def exporting() -> Iterator[list[FunctionCall]]:
 
 
 def calls_restored(root: fx.GraphModule, calls: list[FunctionCall]) -> None:
-    """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call returns a list), also in
-    the subgraphs of its no_grad and autocast regions."""
+    """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call
+    returns a list), also in the subgraphs of its no_grad and autocast regions."""
     for module in root.modules():
         found = module.graph.find_nodes(op="call_function", target=torch.ops.autopipe.autograd_function.default) \
             if isinstance(module, fx.GraphModule) else []

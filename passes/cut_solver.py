@@ -1,10 +1,11 @@
 """The exact balanced, fewest-crossings cut of a node chain into K contiguous stages (numpy only).
 
-Position p is the cut just before node p. With W the prefix sums of the weights and L[p] the bytes live across p, stage [a, b) costs W[b] - W[a]
-and holds each shared tensor it touches and activation_multiplier * L[a]. First the least bottleneck B*, by bisection snapped onto attained stage
-costs (chains-on-chains partitioning: Bokhari 1988, Pinar & Aykanat 2004); then, among plans within (1 + tolerance) B*, the fewest then smallest
-crossing tensors: a shortest path through K layers of cut positions (PipeDream's planner, Narayanan et al. 2019). Each layer is whole-array passes
-over intervals."""
+Position p is the cut just before node p. With W the prefix sums of the weights and L[p] the bytes live across p, stage
+[a, b) costs W[b] - W[a] and holds each shared tensor it touches and activation_multiplier * L[a]. First the least
+bottleneck B*, by bisection snapped onto attained stage costs (chains-on-chains partitioning: Bokhari 1988, Pinar &
+Aykanat 2004); then, among plans within (1 + tolerance) B*, the fewest then smallest crossing tensors: a shortest path
+through K layers of cut positions (PipeDream's planner, Narayanan et al. 2019). Each layer is whole-array passes over
+intervals."""
 from __future__ import annotations
 
 import itertools
@@ -59,7 +60,8 @@ class _Chain:
             elif members:
                 spans[members] = spans.get(members, 0.0) + float(size)
         # per shared tensor, the first member at or after each position: stage [a, b) touches it iff that is < b
-        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))]) for members, size in spans.items()]
+        self.shared = [(size, np.append(members, n)[np.searchsorted(members, np.arange(n + 1))])
+                       for members, size in spans.items()]
         self.own = np.concatenate(([0.0], np.cumsum(own)))
         self.activation = float(problem.activation_multiplier) * self.live_bytes
         self.memory_end = np.full(n, n) if self.cap is None else self.reach(self.cap)
@@ -81,8 +83,8 @@ class _Chain:
         return _last_ok(lambda b: self.held(starts, b) <= cap, starts + 1, self.n)
 
     def bands(self, bound: float) -> tuple[list[int], list[int], float]:
-        """[low[s], high[s]]: where cut s may be when every stage costs <= bound, by greedy on cost and the memory envelope from both ends; and the
-        least bound at which the bands would widen."""
+        """[low[s], high[s]]: where cut s may be when every stage costs <= bound, by greedy on cost and the memory
+        envelope from both ends; and the least bound at which the bands would widen."""
         n, k = self.n, self.stages
         high, low, widen = [0], [n], math.inf
         for s in range(1, k + 1):
@@ -102,8 +104,8 @@ class _Chain:
         return low[::-1], high, widen
 
     def cut_keys(self) -> tuple[np.ndarray, int]:
-        """(crossing tensors, bytes) per position packed into one integer, ordered lexicographically when summed over K-1 cuts; Python ints where
-        int64 could overflow. Also an infinity."""
+        """(crossing tensors, bytes) per position packed into one integer, ordered lexicographically when summed over
+        K-1 cuts; Python ints where int64 could overflow. Also an infinity."""
         tensors, data, cuts = self.live_tensors, self.live_bytes, self.stages - 1
         scale = cuts * int(data.max()) + 1
         worst = cuts * (int(tensors.max()) * scale + int(data.max()))
@@ -113,10 +115,11 @@ class _Chain:
         first = np.asarray(starts)
         last = np.append(first[1:], self.n)
         costs = self.cost(first, last)
-        return CutSolution(
-            starts=tuple(int(a) for a in starts), stage_costs=tuple(float(c) for c in costs), bottleneck=float(costs.max()),
-            optimum=float(optimum), cut_tensors=tuple(int(t) for t in self.live_tensors[first[1:]]),
-            cut_bytes=tuple(int(d) for d in self.live_bytes[first[1:]]), stage_memory=tuple(float(m) for m in self.held(first, last)))
+        return CutSolution(starts=tuple(int(a) for a in starts), stage_costs=tuple(float(c) for c in costs),
+                           bottleneck=float(costs.max()), optimum=float(optimum),
+                           cut_tensors=tuple(int(t) for t in self.live_tensors[first[1:]]),
+                           cut_bytes=tuple(int(d) for d in self.live_bytes[first[1:]]),
+                           stage_memory=tuple(float(m) for m in self.held(first, last)))
 
 
 def _validated_size(problem: CutProblem) -> int:
@@ -124,7 +127,8 @@ def _validated_size(problem: CutProblem) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"n_stages must be a positive integer, got {k!r}")
     if k > n:
-        raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: use at most {n} stages")
+        raise ValueError(f"n_stages={k} but the graph has only {n} nodes, and every stage needs at least one: use at "
+                         f"most {n} stages")
     checked = [(f, getattr(problem, f)) for f in ("weights", "out_bytes", "tolerance", "activation_multiplier")]
     for name, values in checked + [("shared_memory sizes", [s for s, _ in problem.shared_memory or ()])]:
         values = np.asarray([] if values is None else values, dtype=float)
@@ -162,9 +166,9 @@ def _last_ok(ok, lo, hi) -> np.ndarray:
 
 
 def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[int, ...] | None]:
-    """The least bound at which probe finds a plan, and the plan ((inf, None): none). probe(bound) gives (its plan's worst stage, plan) or (an
-    attained value above bound that the answer cannot be below, None), so the bracket closes exactly. It gallops up from bottom first: probes near
-    the answer are the cheap ones."""
+    """The least bound at which probe finds a plan, and the plan ((inf, None): none). probe(bound) gives (its plan's
+    worst stage, plan) or (an attained value above bound that the answer cannot be below, None), so the bracket closes
+    exactly. It gallops up from bottom first: probes near the answer are the cheap ones."""
     top, plan, step = math.inf, None, (ceiling - bottom) * 2.0**-12
     while bottom < top:
         # below top even when no float lies between bottom and top: probing top again would never end
@@ -180,8 +184,8 @@ def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[
 
 
 def solve_cuts(problem: CutProblem) -> CutSolution:
-    """B*: the relaxation's optimum, exact when splitting a stage never holds more, else a start for the exact search; then the fewest crossings
-    within (1 + tolerance) B*."""
+    """B*: the relaxation's optimum, exact when splitting a stage never holds more, else a start for the exact search;
+    then the fewest crossings within (1 + tolerance) B*."""
     chain = _Chain(problem)
 
     def relaxed(bound: float):
@@ -209,8 +213,8 @@ def solve_cuts(problem: CutProblem) -> CutSolution:
 
 
 def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.inf):
-    """layers[s][p]: nodes [0, p) split into s stages, cut s in [low[s], high[s]], each stage [a, b) with b <= end[a] and cost <= bound; and the
-    least missed stage cost (nothing changes below it)."""
+    """layers[s][p]: nodes [0, p) split into s stages, cut s in [low[s], high[s]], each stage [a, b) with b <= end[a]
+    and cost <= bound; and the least missed stage cost (nothing changes below it)."""
     reach = np.zeros(chain.n + 1, dtype=bool)
     reach[0] = True
     layers = [reach]
@@ -231,8 +235,8 @@ def _admissible(chain: _Chain, layers, end, bound: float):
 
 
 def _stage_intervals(reach, low, high, s, end):
-    """The starts a reached in cut s-1's band and the ends (a, end[a]] each may close stage s at, clipped to cut s's band and counted from its first
-    position."""
+    """The starts a reached in cut s-1's band and the ends (a, end[a]] each may close stage s at, clipped to cut s's
+    band and counted from its first position."""
     starts = low[s - 1] + np.flatnonzero(reach[low[s - 1]: high[s - 1] + 1])
     first = np.maximum(starts + 1, low[s]) - low[s]
     last = np.minimum(end[starts], high[s]) - low[s]
@@ -252,8 +256,8 @@ def _trace_back(n: int, low, high, admissible, price) -> tuple[int, ...]:
 
 
 def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
-    """K stages, each costing <= bound and fitting memory, with the least summed cut key: a shortest path through K layers. The starts that may
-    close at b are intervals covering b with prefix >= prefix[b] - bound."""
+    """K stages, each costing <= bound and fitting memory, with the least summed cut key: a shortest path through K
+    layers. The starts that may close at b are intervals covering b with prefix >= prefix[b] - bound."""
     n, k, (low, high, _) = chain.n, chain.stages, chain.bands(bound)
     keys, infinity = chain.cut_keys()
     totals = [np.zeros(1, dtype=keys.dtype)]  # totals[s][p - low[s]]: least key sum of s stages over [0, p)
@@ -269,15 +273,17 @@ def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
     assert totals[k][0] < infinity, "the optimal plan is within its own bound"
 
     def admissible(s, a, b):
-        return (totals[s - 1][a - low[s - 1]] == totals[s][b - low[s]] - keys[b]) & (chain.memory_end[a] >= b) & (chain.cost(a, b) <= bound)
+        return (totals[s - 1][a - low[s - 1]] == totals[s][b - low[s]] - keys[b]) & (chain.memory_end[a] >= b) \
+            & (chain.cost(a, b) <= bound)
 
     return _trace_back(n, low, high, admissible, chain.cost)
 
 
 def _cover_min(values, first, last, size: int, need, infinity) -> np.ndarray:
-    """For every b < size: the min of values[i] over intervals [first[i], last[i]] covering b with i >= need[b] (need: an array or one number). A
-    merge sort tree: a segment tree over positions whose nodes keep their intervals sorted by index; a query takes the suffix from need[b] in each
-    node on its leaf-to-root path. All nodes' suffix minima come from one cumulative minimum, each node lifted above the next."""
+    """For every b < size: the min of values[i] over intervals [first[i], last[i]] covering b with i >= need[b] (need:
+    an array or one number). A merge sort tree: a segment tree over positions whose nodes keep their intervals sorted by
+    index; a query takes the suffix from need[b] in each node on its leaf-to-root path. All nodes' suffix minima come
+    from one cumulative minimum, each node lifted above the next."""
     count = len(values)
     if not count:
         return np.full(size, infinity, dtype=np.asarray(values).dtype)
@@ -322,10 +328,12 @@ def _raise_no_fit(chain: _Chain):
 
     least_cap, plan = _smallest_bound(probe, 0.0, math.inf)
     held, ends = chain.solution(plan, 0.0).stage_memory, plan[1:] + (n,)
-    over = "; ".join(f"stage {s} (nodes {plan[s]}..{ends[s] - 1}) needs {_bytes(held[s])} but the cap is {_bytes(cap)}: {_bytes(held[s] - cap)} short"
+    over = "; ".join(f"stage {s} (nodes {plan[s]}..{ends[s] - 1}) needs {_bytes(held[s])} but the cap is "
+                     f"{_bytes(cap)}: {_bytes(held[s] - cap)} short"
                      for s in range(k) if held[s] > cap)
-    raise NoFeasiblePlan(f"no split into {k} stages fits memory_cap; in the most memory-balanced one, {over}. That split needs a cap of "
-                         f"{_bytes(least_cap)}: raise the cap, add devices, or hold less per stage (fewer micro-batches in flight, smaller optimizer state)")
+    raise NoFeasiblePlan(f"no split into {k} stages fits memory_cap; in the most memory-balanced one, {over}. That "
+                         f"split needs a cap of {_bytes(least_cap)}: raise the cap, add devices, or hold less per "
+                         f"stage (fewer micro-batches in flight, smaller optimizer state)")
 
 
 def _bytes(amount: float) -> str:

@@ -1,5 +1,5 @@
-"""What a failed trace says, and where: the trace errors, and a node's or an error's place in the user's code (module path,
-file and line), which every pass's messages name."""
+"""What a failed trace says, and where: the trace errors, and a node's or an error's place in the user's code (module
+path, file and line), which every pass's messages name."""
 from __future__ import annotations
 
 import linecache
@@ -70,14 +70,16 @@ def causes(error: BaseException | None) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-def explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]], batch_size: int | None = None) -> str:
+def explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]],
+                     batch_size: int | None = None) -> str:
     lines = [f"autopipe could not trace {type(model).__name__}:"]
     lines += [f"  - {route}: {type(e).__name__}: {first_line(e)}{user_frame(e, model)}" for route, e in errors]
     if batch_size is not None:
-        lines.append(f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every micro-batch size. It can "
-                     f"still be pipelined with equal micro-batches: trace(..., static_batch=<rows per micro-batch>) exports it at that size with "
-                     f"no dynamic dimension. Or make the code batch-generic (x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather "
-                     f"than repeat(n, ...)).")
+        lines.append(f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every "
+                     f"micro-batch size. It can still be pipelined with equal micro-batches: trace(..., "
+                     f"static_batch=<rows per micro-batch>) exports it at that size with no dynamic dimension. Or make "
+                     f"the code batch-generic (x.shape[0] rather than len(x) or an int, expand(x.shape[0]) rather than "
+                     f"repeat(n, ...)).")
     else:
         lines.append("What to try: make data-dependent Python control flow tensor-free (torch.where, torch.cond), "
                      "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "
@@ -90,10 +92,11 @@ def first_line(error: BaseException) -> str:
 
 
 def user_frame(error: BaseException | None, model: torch.nn.Module) -> str:
-    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code, or "";
-    with ``error`` None, of the stack now (export deciding a branch)."""
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep, os.path.dirname(logging.__file__) + os.sep,
-            "<string>", "<eval_with_key")  # torch, this package, logging (export_route's filter), the code trace and fx generate
+    """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code,
+    or ""; with ``error`` None, of the stack now (export deciding a branch)."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+            os.path.dirname(logging.__file__) + os.sep, "<string>",
+            "<eval_with_key")  # torch, this package, logging (export_route's filter), the code trace and fx generate
     stack = traceback.walk_tb(error.__traceback__) if error is not None else reversed(list(traceback.walk_stack(None)))
     frames = [(frame, line) for frame, line in stack if not frame.f_code.co_filename.startswith(skip)]
     if not frames:

@@ -1,8 +1,8 @@
-"""The torch.export route of the trace pass: non-strict export with one dynamic batch dimension, unlifted to a
-graph of the model's own parameters and buffers in trace.py's flat calling convention, in the model's train/eval
-mode. An unpassed ``use_cache`` is False (no KV cache in training). Export's checks of the example (asserts, range
-constraints, _guards_fn) are dropped: they would pin tensors across cuts; but for the conditions of branches on tensor values, which a
-second export with real values takes the example's way (BranchesTaken). Later nodes get the batch by sym_size."""
+"""The torch.export route of the trace pass: non-strict export with one dynamic batch dimension, unlifted to a graph of
+the model's own parameters and buffers in trace.py's flat calling convention, in the model's train/eval mode. An
+unpassed ``use_cache`` is False (no KV cache in training). Export's checks of the example (asserts, range constraints,
+_guards_fn) are dropped: they would pin tensors across cuts; but for the conditions of branches on tensor values, which
+a second export with real values takes the example's way (BranchesTaken). Later nodes get the batch by sym_size."""
 from __future__ import annotations
 
 import contextlib
@@ -40,19 +40,23 @@ class ExportedGraph(TracedModel):
 
     training: bool = False  # the mode the graph was captured in: dropout and BatchNorm behave as in it
     batch_symbol: Any = None  # sympy symbol of the batch dimension in node.meta["val"]; None when static
-    branches_taken: list[str] = field(default_factory=list)  # branches on values traced the example's way, each checked at run time
+    # branches on values traced the example's way, each checked at run time
+    branches_taken: list[str] = field(default_factory=list)
 
 
-def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *, dynamic_batch: bool = True) -> ExportedGraph:
+def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, *,
+                      dynamic_batch: bool = True) -> ExportedGraph:
     """``model`` called with ``bound`` (its forward's bound arguments) as a flat graph. Dim 0 of each tensor with
     ``batch_size`` rows is one dynamic dimension, unless not ``dynamic_batch``. Raises ExportRouteError."""
     if hooked := backward_hooked(model):
-        raise ExportRouteError(f"module {hooked[0] or type(model).__name__!r} has a backward hook (register_full_backward_hook): torch.export records "
-                               f"the forward alone, and the hook would never run; fx keeps such a module whole (make the model fx-traceable), or "
+        raise ExportRouteError(f"module {hooked[0] or type(model).__name__!r} has a backward hook "
+                               f"(register_full_backward_hook): torch.export records the forward alone, and the hook "
+                               f"would never run; fx keeps such a module whole (make the model fx-traceable), or "
                                f"register the hook on a tensor (tensor.register_hook)")
     signature = inspect.signature(model.forward)
     forced = {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in bound else {}
-    eg = ExportedGraph.for_call(signature, bound, route="export", batch_size=batch_size, forced_kwargs=forced, training=model.training)
+    eg = ExportedGraph.for_call(signature, bound, route="export", batch_size=batch_size, forced_kwargs=forced,
+                                training=model.training)
     tensors = eg.flatten_inputs(bound)
     is_batch = [t.dim() > 0 and t.shape[0] == batch_size for t in tensors]
     if not any(is_batch):
@@ -68,8 +72,10 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
             ep = _exported(model, root, example, shapes)
         except Exception as e:
             ep, failure, retried = None, e, True
-            on_values = any(isinstance(c, GuardOnDataDependentSymNode) for c in causes(e))  # if mask.any(): a branch on a tensor's value
-            if dynamic_batch and on_values and not any(t.is_meta for t in (*tensors, *model.parameters(), *model.buffers())):
+            on_values = any(isinstance(c, GuardOnDataDependentSymNode)
+                            for c in causes(e))  # if mask.any(): a branch on a tensor's value
+            if dynamic_batch and on_values and not any(t.is_meta
+                                                       for t in (*tensors, *model.parameters(), *model.buffers())):
                 with contextlib.suppress(Exception), functorch_config.patch(fake_tensor_propagate_real_tensors=True):
                     ep = _exported(model, root, example, shapes)
     if ep is None:
@@ -80,12 +86,15 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         raise ExportRouteError(f"torch.export (non-strict, {how}) failed on {type(model).__name__}"
                                f"{user_frame(failure, model)}: {type(failure).__name__}: {failure}{hint}") from failure
 
-    eg.assigned = [a for a in eg.assigned if a not in model._buffers]  # export writes the root's own buffers back (register_buffer_assignment_hook)
+    # export writes the root's own buffers back (register_buffer_assignment_hook)
+    eg.assigned = [a
+                   for a in eg.assigned if a not in model._buffers]
     unlifted = ep.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()  # plain flat inputs and outputs, not export's pytree calling convention
     calls_restored(unlifted, function_calls)
-    batch = {s.node.expr for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d and isinstance(s := n.meta["val"].shape[0], torch.SymInt)}
+    batch = {s.node.expr for n, d in zip(graph.find_nodes(op="placeholder"), dynamic) if d
+             and isinstance(s := n.meta["val"].shape[0], torch.SymInt)}
     for node in reversed(graph.nodes):
         if branches.guards(node):
             eg.branches_taken.append(node.meta["branch_taken"])
@@ -94,11 +103,13 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
         elif _is_check(node):
             graph.erase_node(node)
     unchecked = sorted(set(branches.where) - branches.checked)
-    if unchecked or retried and not branches.where:  # a way taken that no check holds to, or not heard (another torch's log): never silently
+    # a way taken that no check holds to, or not heard (another torch's log): never silently
+    if unchecked or retried and not branches.where:
         where = branches.where[unchecked[0]][0] if unchecked else ""
-        raise ExportRouteError(f"torch.export took a branch on a tensor's value{where} the example's way but autopipe found no check of it in the "
-                               f"graph, so a micro-batch could go the other way unseen; write the branch without Python control flow on tensor values "
-                               f"(torch.where, torch.cond)")
+        raise ExportRouteError(f"torch.export took a branch on a tensor's value{where} the example's way but autopipe "
+                               f"found no check of it in the graph, so a micro-batch could go the other way unseen; "
+                               f"write the branch without Python control flow on tensor values (torch.where, "
+                               f"torch.cond)")
     names, modules = iter(eg.input_names), dict(model.named_modules())
     for node in graph.nodes:
         if "nn_module_stack" in node.meta:  # the model's modules only, not export's entries for hooks
@@ -127,11 +138,12 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
 
 
 def _not_one_way(guard: fx.Node, batch: set) -> str | None:
-    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None. Its condition may read
-    the batch through one any, all, max or min to a single number, whose value over the batch is one micro-batch's, so every micro-batch going
-    the traced way means the whole batch does; through a sum or mean over the batch, or two such values (from two micro-batches), it need
-    not. A random number goes either way at random, unless rand is compared only with a bound it never crosses (LayerDrop at 0:
-    ``torch.rand([]) < 0.0``; rand is in [0, 1))."""
+    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None.
+    Its condition may read the batch through one any, all, max or min to a single number, whose value over the batch
+    is one micro-batch's, so every micro-batch going the traced way means the whole batch does; through a sum or mean
+    over the batch, or two such values (from two micro-batches), it need not. A random number goes either way at
+    random, unless rand is compared only with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``;
+    rand is in [0, 1))."""
     seen, stack = {guard}, [guard]
     while stack:
         for a in stack.pop().all_input_nodes:
@@ -140,44 +152,53 @@ def _not_one_way(guard: fx.Node, batch: set) -> str | None:
                 stack.append(a)
 
     def holds_batch(n: fx.Node) -> bool:
-        sizes = [d for v in pytree.tree_leaves(n.meta.get("val")) for d in (v.shape if isinstance(v, torch.Tensor) else [v])]
+        sizes = [d for v in pytree.tree_leaves(n.meta.get("val"))
+                 for d in (v.shape if isinstance(v, torch.Tensor) else [v])]
         return any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols & batch for d in sizes)
 
     reductions = []  # where the condition reads the batch: values over it made from batch rows
     for a in (n for n in guard.graph.nodes if n in seen and n.op == "call_function"):
-        if is_random_target(a.target) and not (op_name(a.target) == "rand" and all(
-                op_name(u.target) in ("lt", "ge") and u.args[0] is a and isinstance(u.args[1], (int, float)) and not 0 < u.args[1] < 1
-                for u in a.users if u in seen)):
-            return (f"on a random number ({node_where(a)}): one graph holds one way, and a micro-batch that draws the other would stop the step. "
-                    f"Set its probability to 0 (LayerDrop: config.layerdrop, encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
+        if is_random_target(a.target) and not (op_name(a.target) == "rand"
+                                               and all(op_name(u.target) in ("lt", "ge") and u.args[0] is a
+                                                       and isinstance(u.args[1], (int, float))
+                                                       and not 0 < u.args[1] < 1 for u in a.users if u in seen)):
+            return (f"on a random number ({node_where(a)}): one graph holds one way, and a micro-batch that draws the "
+                    f"other would stop the step. Set its probability to 0 (LayerDrop: config.layerdrop, "
+                    f"encoder_layerdrop, decoder_layerdrop), or compile the model in eval mode")
         if not holds_batch(a) and any(map(holds_batch, a.all_input_nodes)):
             reductions.append(a)
-    selective = all(op_name(a.target) in ("any", "all", "amax", "amin", "max", "min") and isinstance(v := a.meta.get("val"), torch.Tensor)
-                    and v.numel() == 1 for a in reductions)  # x.amax(0) is a vector whose entries may come from several micro-batches
-    if len(reductions) > 1 or not selective:  # x.max() > y.min(): each micro-batch's pair is its own, the whole batch's pair from two
-        return (f"on {'values' if len(reductions) > 1 else 'a value'} over the batch ({'; '.join(map(node_where, reductions))}): each micro-batch "
-                f"would check {'them' if len(reductions) > 1 else 'it'} over its own samples, and all of them going one way need not mean the whole "
-                f"batch does (as it does for one any, all, max or min); compute it outside the model, or write the branch without Python control "
-                f"flow on tensor values (torch.where, torch.cond)")
+    selective = all(op_name(a.target) in ("any", "all", "amax", "amin", "max", "min")
+                    and isinstance(v := a.meta.get("val"), torch.Tensor) and v.numel() == 1
+                    for a in reductions)  # x.amax(0) is a vector whose entries may come from several micro-batches
+    # x.max() > y.min(): each micro-batch's pair is its own, the whole batch's pair from two
+    if len(reductions) > 1 or not selective:
+        return (f"on {'values' if len(reductions) > 1 else 'a value'} over the batch "
+                f"({'; '.join(map(node_where, reductions))}): each micro-batch would check "
+                f"{'them' if len(reductions) > 1 else 'it'} over its own samples, and all of them going one way need "
+                f"not mean the whole batch does (as it does for one any, all, max or min); compute it outside the "
+                f"model, or write the branch without Python control flow on tensor values (torch.where, torch.cond)")
     return None
 
 
 def _example_goes_the_traced_way(gm: fx.GraphModule, example: tuple[torch.Tensor, ...]) -> None:
-    """Runs the graph on the example itself: export's real values misread some conditions (torch 2.13 reads parameters as other values where they
-    require grad or the batch is dynamic), and a graph its own example goes the other way in would stop every step. (trace puts back the RNG
-    and the buffers this run touches.)"""
+    """Runs the graph on the example itself: export's real values misread some conditions (torch 2.13 reads parameters
+    as other values where they require grad or the batch is dynamic), and a graph its own example goes the other way in
+    would stop every step. (trace puts back the RNG and the buffers this run touches.)"""
     try:
         with torch.no_grad():
             gm(*example)
     except Exception as e:  # anything else is the pipeline's to meet, as the plain model's
         if _OTHER_WAY in str(e):
-            raise ExportRouteError(f"torch.export, taking a branch on a tensor's value the example's way, took it the other way: torch reads values "
-                                   f"beside the fake tensors unreliably where they come from parameters ({e}); write the branch without Python control "
-                                   f"flow on tensor values (torch.where, torch.cond)") from e
+            raise ExportRouteError(f"torch.export, taking a branch on a tensor's value the example's way, took it the "
+                                   f"other way: torch reads values beside the fake tensors unreliably where they come "
+                                   f"from parameters ({e}); write the branch without Python control flow on tensor "
+                                   f"values (torch.where, torch.cond)") from e
 
 
-def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ...], shapes: tuple) -> torch.export.ExportedProgram:
-    """torch.export's program; what it prints to stderr is passed on, but for the partial graph of a failed export (export/_trace.py)."""
+def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ...],
+              shapes: tuple) -> torch.export.ExportedProgram:
+    """torch.export's program; what it prints to stderr is passed on, but for the partial graph of a failed export
+    (export/_trace.py)."""
     said, graph = io.StringIO(), ""
     try:
         with module_state_kept(model), warnings.catch_warnings(), contextlib.redirect_stderr(said):
@@ -194,14 +215,16 @@ _OTHER_WAY = "autopipe: a micro-batch goes the other way"  # how a kept check's 
 
 
 class BranchesTaken(logging.Filter):
-    """Export with real tensors beside the fake ones (torch.export.draft_export's mode): a branch on a tensor's value goes the way the example's
-    value goes, and export keeps the condition in the graph as a runtime assert (symbolic_shapes.py, ShapeEnv._evaluate_expr). This filter
-    hears ShapeEnv's warning at each such decision, inside it, so the stack is the model's: where the branch is. The asserts are kept, each
-    micro-batch checking that it goes the way the graph holds (docs/architecture.md, "Branches on values")."""
+    """Export with real tensors beside the fake ones (torch.export.draft_export's mode): a branch on a tensor's value
+    goes the way the example's value goes, and export keeps the condition in the graph as a runtime assert
+    (symbolic_shapes.py, ShapeEnv._evaluate_expr). This filter hears ShapeEnv's warning at each such decision, inside
+    it, so the stack is the model's: where the branch is. The asserts are kept, each micro-batch checking that it goes
+    the way the graph holds (docs/architecture.md, "Branches on values")."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model, self.where = model, {}  # an unbacked symbol (u0) -> (where its branch is, the expression, the value it took)
+        # an unbacked symbol (u0) -> (where its branch is, the expression, the value it took)
+        self.model, self.where = model, {}
         self.checked: set[str] = set()  # the symbols a kept assert checks
         self.logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
 
@@ -221,7 +244,8 @@ class BranchesTaken(logging.Filter):
         return False  # heard here, told by the guard's message and the plan's note
 
     def guards(self, node: fx.Node) -> bool:
-        """Is ``node`` a runtime assert of a branch taken here? Then its message says, to a user, which branch and what to do."""
+        """Is ``node`` a runtime assert of a branch taken here? Then its message says, to a user, which branch and what
+        to do."""
         if node.op != "call_function" or op_name(node.target) != "_assert_scalar" or len(node.args) < 2:
             return False
         symbols = [u for u in re.findall(r"\bu\d+\b", str(node.args[1])) if u in self.where]
@@ -229,12 +253,16 @@ class BranchesTaken(logging.Filter):
             return False
         self.checked.update(symbols)
         where, expr, value = self.where[symbols[0]]
-        truth = isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and expr.rhs == 1  # bool(tensor): the .item() of a bool is 1
-        tested = f"the tensor it tests was {value}" if truth else f"{expr} was {value}, {' and '.join(sorted(map(str, expr.free_symbols)))} being what it reads"
-        node.meta["branch_taken"] = f"a branch on a tensor's value{where or ' (source not found)'} was traced the way the example inputs took ({tested})"
+        # bool(tensor): .item() of a bool is 1
+        truth = isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and expr.rhs == 1
+        reads = " and ".join(sorted(map(str, expr.free_symbols)))
+        tested = f"the tensor it tests was {value}" if truth else f"{expr} was {value}, {reads} being what it reads"
+        node.meta["branch_taken"] = (f"a branch on a tensor's value{where or ' (source not found)'} was traced the way "
+                                     f"the example inputs took ({tested})")
         node.args = (node.args[0], f"{_OTHER_WAY} than the compiled graph: {node.meta['branch_taken']}, and a graph "
-                                   f"holds one way. Compile with example inputs that go the way training goes, or write the branch without Python "
-                                   f"control flow on tensor values (torch.where, torch.cond)")
+                                   f"holds one way. Compile with example inputs that go the way training goes, or "
+                                   f"write the branch without Python control flow on tensor values (torch.where, "
+                                   f"torch.cond)")
         return True
 
 

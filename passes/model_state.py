@@ -25,27 +25,33 @@ _MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 
 
 def module_state(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, list[dict]]]:
-    return [(name, m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES]) for name, m in model.named_modules()]
+    return [(name, m, dict(vars(m)), [dict(getattr(m, t)) for t in _MODULE_TABLES])
+            for name, m in model.named_modules()]
 
 
 def assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) -> set[str]:
-    """The module attributes and tables' entries holding another tensor (or fx Proxy) than in ``state``: ``inner.steps``."""
+    """The module attributes and tables' entries holding another tensor (or fx Proxy) than in ``state``:
+    ``inner.steps``."""
     found = set()
     for owner, m, attributes, tables in state:
         before = attributes | {k: v for table in tables for k, v in table.items()}
         now = vars(m) | {k: v for t in _MODULE_TABLES for k, v in getattr(m, t).items()}
-        found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k) and isinstance(v, (torch.Tensor, fx.Proxy)))
+        found.update(f"{owner}.{k}" if owner else k for k, v in now.items() if v is not before.get(k)
+                     and isinstance(v, (torch.Tensor, fx.Proxy)))
     return found
 
 
 @contextlib.contextmanager
 def hooks_kept(model: torch.nn.Module):
-    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may register hooks
-    inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way, marking the model as hooked
-    in an attribute that tracing puts back): each trace then starts from the model as the user left it, as its first call would,
-    instead of from a failed attempt's half (the hooks twice, the mark gone: 5 hidden states of 3)."""
-    tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name and isinstance(table, dict)]
-    tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_") and isinstance(t, dict)]
+    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may
+    register hooks inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way,
+    marking the model as hooked in an attribute that tracing puts back): each trace then starts from the model as the
+    user left it, as its first call would, instead of from a failed attempt's half (the hooks twice, the mark gone: 5
+    hidden states of 3)."""
+    tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name
+              and isinstance(table, dict)]
+    tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_")
+               and isinstance(t, dict)]
     saved = [(table, dict(table)) for table in tables]
     try:
         yield
@@ -58,9 +64,9 @@ def hooks_kept(model: torch.nn.Module):
 
 @contextlib.contextmanager
 def module_state_kept(model: torch.nn.Module):
-    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs the forward, and an
-    assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time value, an fx Proxy or a FakeTensor in the
-    model (flat_root's call names the assignments)."""
+    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs
+    the forward, and an assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time
+    value, an fx Proxy or a FakeTensor in the model (flat_root's call names the assignments)."""
     state = module_state(model)
     try:
         yield

@@ -1,7 +1,7 @@
-"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors (``trace(...) -> TracedModel``, traced_model.py).
-fx first, else torch.export (export_route.py); the routes and ``static_batch``: docs/architecture.md, "Contracts between
-passes". The graph runs again one row larger, and the micro-batch analysis's facts are recorded on its nodes
-(microbatch_analysis/facts.py)."""
+"""Trace pass: nn.Module -> a flat fx graph with shapes on fake tensors (``trace(...) -> TracedModel``,
+traced_model.py). fx first, else torch.export (export_route.py); the routes and ``static_batch``: docs/architecture.md,
+"Contracts between passes". The graph runs again one row larger, and the micro-batch analysis's facts are recorded on
+its nodes (microbatch_analysis/facts.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,15 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopipe.global_state import preserved_global_state
 
 from .custom_gradients import FunctionCall, backward_hooked, kept_whole
-from .diagnostics import BatchSpecialised, TraceError, explain_failures, first_line, listed, source_of, specialises_batch
+from .diagnostics import (BatchSpecialised, TraceError, explain_failures, first_line, listed, source_of,
+                          specialises_batch)
 from .export_route import export_flat_graph
 from .microbatch_analysis.facts import literals, record_batch_facts
 from .model_state import buffers_kept, hooks_kept, module_state_kept, scalar_buffers_kept
 from .traced_model import InputMismatch, TracedModel, flat_root, grad_flags, named_leaves, per_sample_lists
 
 # the pass's names, importable from here wherever they are defined
-__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "InputMismatch", "specialises_batch", "output_facts",
-           "batch_rows", "carries_batch", "fake_errors_unlogged", "MutableArguments", "mutable"]
+__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "InputMismatch", "specialises_batch",
+           "output_facts", "batch_rows", "carries_batch", "fake_errors_unlogged", "MutableArguments", "mutable"]
 
 
 def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
@@ -55,30 +56,37 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole() as ran_inline:
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if ran_inline:
-        traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of {listed(sorted({name for name, _ in ran_inline}))} runs inline: "
-                            f"the pipeline re-materialises its stages itself (compile's checkpoint=)")
+        traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of "
+                            f"{listed(sorted({name for name, _ in ran_inline}))} runs inline: the pipeline "
+                            f"re-materialises its stages itself (compile's checkpoint=)")
     if kept := sorted({repr(n.target) for m in traced.graph_module.modules() if isinstance(m, fx.GraphModule)
                        for n in m.graph.nodes if isinstance(n.target, FunctionCall)}):
-        traced.notes.append(f"custom autograd.Functions kept whole, their own backward run: {listed(kept)}; autopipe sees the shapes of their "
-                            f"inputs and outputs, not a statistic over the batch computed inside one")
-    if not all(with_grad for _, with_grad in ran_inline):  # the graph holds a checkpoint without grad: right for these requires_grad flags only
+        traced.notes.append(f"custom autograd.Functions kept whole, their own backward run: {listed(kept)}; autopipe "
+                            f"sees the shapes of their inputs and outputs, not a statistic over the batch computed "
+                            f"inside one")
+    # the graph holds a checkpoint without grad: right for these requires_grad flags only
+    if not all(with_grad
+               for _, with_grad in ran_inline):
         traced.grad_flags = grad_flags(model, traced.flat_inputs(args, kwargs or {}))
     _bound_data_dependent_sizes(traced)
     trace_again = functools.partial(_trace, model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if frozen := _drawn_on_every_call(model, guard.restored, trace_again):
-        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer skipped at random, say): tracing "
-                         f"draws once and the graph would keep those numbers for every step and micro-batch. Draw them with torch (torch.rand, "
-                         f"torch.bernoulli), whose random ops the pipeline replays, or trace the model in eval mode if it draws only in training")
+        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer "
+                         f"skipped at random, say): tracing draws once and the graph would keep those numbers for "
+                         f"every step and micro-batch. Draw them with torch (torch.rand, torch.bernoulli), whose "
+                         f"random ops the pipeline replays, or trace the model in eval mode if it draws only in "
+                         f"training")
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
     return traced
 
 
 def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_again: Callable[[], Any]) -> list[str]:
-    """NumPy's and Python's generators that moved while tracing and move again in a second trace: the forward's own draws, which the
-    graph would freeze. A draw made once per process is not the forward's: a module imported for the first time inside the forward
-    that draws at import (issue 29: jax's k8s_cluster.py runs np.random.rand(5)), a cache filled on the first call. The second trace
-    runs only where a generator moved, under the same guards; both put the generators back."""
+    """NumPy's and Python's generators that moved while tracing and move again in a second trace: the forward's own
+    draws, which the graph would freeze. A draw made once per process is not the forward's: a module imported for the
+    first time inside the forward that draws at import (issue 29: jax's k8s_cluster.py runs np.random.rand(5)), a cache
+    filled on the first call. The second trace runs only where a generator moved, under the same guards; both put the
+    generators back."""
     moved = [name for name in restored if name in ("NumPy random", "Python random")]
     if not moved:
         return []
@@ -121,15 +129,18 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
             raise BatchSpecialised(explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {first_line(e)}" for name, e in errors] + traced.notes
-    traced.notes += [f"{taken}: each micro-batch checks that it goes that way too, and the step raises where one does not"
-                     for taken in dict.fromkeys(getattr(traced, "branches_taken", ()))]
-    traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []  # at a batch of one, (1, seq) looks cut
+    traced.notes += [f"{taken}: each micro-batch checks that it goes that way too, and the step raises where one "
+                     f"does not" for taken in dict.fromkeys(getattr(traced, "branches_taken", ()))]
+    # at a batch of one, (1, seq) looks cut
+    traced.batch_inputs = [carries_batch(t, batch) for t in flat] if batch > 1 else []
     if traced.assigned:
-        traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned values but does not store them, "
-                            f"so the pipeline leaves them as they were (a cache the forward rebuilds is alike; state it carries across calls is not)")
+        traced.notes.append(f"the forward assigns {listed(traced.assigned)}: the graph computes with the assigned "
+                            f"values but does not store them, so the pipeline leaves them as they were (a cache the "
+                            f"forward rebuilds is alike; state it carries across calls is not)")
     if static_batch is not None:
         traced.route, traced.static_batch = "export-static", static_batch
-        # a dynamic export would have failed on a (seq, seq) mask cut as batch rows; a static one may run (one-row micro-batches broadcast)
+        # a dynamic export would have failed on a (seq, seq) mask cut as batch rows; a static one may run (one-row
+        # micro-batches broadcast)
         traced.ambiguous_inputs = [f"{name} {tuple(t.shape)}" for name, t in zip(traced.input_names[1:], flat[1:])
                                    if carries_batch(t, batch) and batch in t.shape[1:]]
         traced.notes.append(f"traced at a static batch of {static_batch} rows (torch.export, no dynamic "
@@ -139,15 +150,18 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
         _shaped(traced, inputs)
     except RuntimeError as e:
         known = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
-        if not isinstance(e, known) and not re.search(r"\bu\d+\b", str(e)):  # else a size set by values (u0) in the failing op
+        if not isinstance(e, known) and not re.search(r"\bu\d+\b",
+                                                      str(e)):  # else a size set by values (u0) in the failing op
             raise
         node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
-        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: {first_line(e)}) has a shape that depends "
-                         f"on the values of its input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which autopipe "
-                         f"needs to cost and cut the graph{source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a masked mean) or "
-                         f"run it outside the model") from e
+        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
+                         f"{first_line(e)}) has a shape that depends on the values of its input (boolean-mask indexing "
+                         f"x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to cost and "
+                         f"cut the graph{source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a "
+                         f"masked mean) or run it outside the model") from e
     if static_batch is not None:
-        record_batch_facts(traced.graph_module, static_batch, _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
+        record_batch_facts(traced.graph_module, static_batch,
+                           _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
         return traced
     try:
         record_batch_facts(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
@@ -163,15 +177,19 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
 def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
     leaves, hooked = tuple(leaf_modules), backward_hooked(model)
     if "" in hooked:
-        raise TraceError(f"{type(model).__name__} itself has a backward hook (register_full_backward_hook): the pipeline runs its stages, never the "
-                         f"model as a whole, so the hook would not run; register it on a submodule, or on a tensor (tensor.register_hook)")
+        raise TraceError(f"{type(model).__name__} itself has a backward hook (register_full_backward_hook): the "
+                         f"pipeline runs its stages, never the model as a whole, so the hook would not run; register "
+                         f"it on a submodule, or on a tensor (tensor.register_hook)")
 
-    class LeafTracer(fx.Tracer):  # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
+    # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
+    class LeafTracer(fx.Tracer):
         def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
-            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf) for leaf in leaves) or name in hooked or \
+            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf)
+                       for leaf in leaves) or name in hooked or \
                 super().is_leaf_module(m, name)
 
-    # fx cannot call the model itself (it is no submodule of root): its forward, with its own forward hooks as its __call__ runs them
+    # fx cannot call the model itself (it is no submodule of root): its forward, with its own forward hooks as its
+    # __call__ runs them
     root = flat_root(model, traced, functools.partial(torch.nn.Module._call_impl, model))
     with module_state_kept(model), _what_fx_cannot_record(model) as lost:
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
@@ -180,7 +198,8 @@ def _trace_fx(model, traced: TracedModel, leaf_modules: Iterable[type | str]) ->
     if lost:
         raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
     if hooked:
-        traced.notes.append(f"kept whole for their backward hooks, which run on each micro-batch's gradients: {listed(hooked)}")
+        traced.notes.append(f"kept whole for their backward hooks, which run on each micro-batch's gradients: "
+                            f"{listed(hooked)}")
     return traced
 
 
@@ -189,8 +208,9 @@ _FX_TRACING = threading.Lock()
 
 @contextlib.contextmanager
 def _what_fx_cannot_record(model: torch.nn.Module):
-    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode and autocast switches, in-place writes of
-    parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields the list of what was lost, filled on exit."""
+    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode and autocast switches,
+    in-place writes of parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields
+    the list of what was lost, filled on exit."""
     tracer_thread, switches, autocasts, draws, lost = threading.get_ident(), [], [], [], []
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 
@@ -198,7 +218,8 @@ def _what_fx_cannot_record(model: torch.nn.Module):
         frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
         return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
 
-    def recording(found: list[str], switch: Callable) -> Callable:  # the switch, noting where the tracer thread calls it
+    def recording(found: list[str],
+                  switch: Callable) -> Callable:  # the switch, noting where the tracer thread calls it
         def record(*args) -> None:
             if threading.get_ident() == tracer_thread:
                 found.append(where())
@@ -214,9 +235,11 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
                if not t.is_inference()}  # an inference tensor has no version counter
     versions = {name: t._version for name, t in tensors.items()}
-    with _FX_TRACING:  # one patch of torch._C._set_grad_enabled (and torch.set_autocast_enabled: torch.autocast's switch) at a time
+    # one patch of torch._C._set_grad_enabled (and torch.set_autocast_enabled: torch.autocast's switch) at a time
+    with _FX_TRACING:
         set_grad_enabled, set_autocast_enabled = torch._C._set_grad_enabled, torch.set_autocast_enabled
-        torch._C._set_grad_enabled, torch.set_autocast_enabled = recording(switches, set_grad_enabled), recording(autocasts, set_autocast_enabled)
+        torch._C._set_grad_enabled = recording(switches, set_grad_enabled)
+        torch.set_autocast_enabled = recording(autocasts, set_autocast_enabled)
         try:
             with RealDraws():
                 yield lost
@@ -228,23 +251,28 @@ def _what_fx_cannot_record(model: torch.nn.Module):
     if autocasts:
         lost.append(f"the forward switches autocast (torch.autocast) at {autocasts[0]}")
     if draws:
-        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw once while tracing and keep as a constant")
+        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw once "
+                    f"while tracing and keep as a constant")
     if written:
-        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once while tracing")
+        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
+                    f"while tracing")
 
 
-def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> list[tuple[str, tuple | None, str]] | None:
-    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a model exported at its
-    micro-batch size shows its outputs at that size alone. Shape None: not a tensor. The pairing op is the first op the leaf is computed from whose
-    result holds the batch in two dims (contrastive logits), seen by a second run one row larger with the same ops ("": none, or the runs differ,
-    as the two exports at the micro-batch size may where the whole batch's runs do not). None where the model cannot run on fake tensors."""
+def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+                 batch: int) -> list[tuple[str, tuple | None, str]] | None:
+    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a
+    model exported at its micro-batch size shows its outputs at that size alone. Shape None: not a tensor. The pairing
+    op is the first op the leaf is computed from whose result holds the batch in two dims (contrastive logits), seen by
+    a second run one row larger with the same ops ("": none, or the runs differ, as the two exports at the micro-batch
+    size may where the whole batch's runs do not). None where the model cannot run on fake tensors."""
     runs = []
     for rows in (batch, batch + 1):
         try:
-            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), torch.no_grad(), \
-                    fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), \
+                    torch.no_grad(), fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
-                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)), (tuple(args), dict(kwargs)))
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)),
+                                                              (tuple(args), dict(kwargs)))
                 with _OpRecorder() as ops:
                     leaves = named_leaves(per_sample_lists(model(*fake_args, **fake_kwargs), rows))
             runs.append((leaves, ops.ops))
@@ -255,7 +283,8 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     if len(runs) == 2 and [op[0] for op in ops] == [op[0] for op in runs[1][1]]:
         for (func, inputs, outputs), (_, _, grown) in zip(ops, runs[1][1]):
             source = next((mixed[id(t)] for t in inputs if id(t) in mixed), None)
-            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1 for a, b in zip(outputs, grown)):
+            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1
+                                      for a, b in zip(outputs, grown)):
                 source = str(func)
             mixed.update((id(t), source) for t in outputs if source)
     return [(path, tuple(t.shape) if isinstance(t, torch.Tensor) else None, mixed.get(id(t), "")) for path, t in leaves]
@@ -276,8 +305,9 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def mutable(value: Any) -> Any:
-    """``value`` with fx's immutable_list and immutable_dict as plain ones: an fx Interpreter hands a node its arguments so, and a function
-    fx keeps whole may write to one (torchvision's swin3d window sizes), as it may when the generated code calls it."""
+    """``value`` with fx's immutable_list and immutable_dict as plain ones: an fx Interpreter hands a node its arguments
+    so, and a function fx keeps whole may write to one (torchvision's swin3d window sizes), as it may when the generated
+    code calls it."""
     if isinstance(value, list):
         return [mutable(v) for v in value]
     if isinstance(value, dict):
@@ -317,23 +347,25 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
             with gm.graph.inserting_before(output):
                 items = [gm.graph.call_function(operator.getitem, (n, j)) for j in range(len(values))]
             for item, value in zip(items, values):
-                item.meta = {**{key: n.meta[key] for key in ("stack_trace", "nn_module_stack") if key in n.meta}, "val": value}
+                item.meta = {**{key: n.meta[key] for key in ("stack_trace", "nn_module_stack") if key in n.meta},
+                             "val": value}
             flat[k] = tuple(items)
     output.args = (traced.keep_output_structure(traced.rebuild_output(flat), (fx.Node,)),)
     gm.recompile()
 
 
-def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], grow_batch: int | None = None) -> None:
-    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``grow_batch``: the batch, whose tensors get one
-    row more."""
+def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor],
+                           grow_batch: int | None = None) -> None:
+    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``grow_batch``: the batch,
+    whose tensors get one row more."""
     meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
     # a shape env gives a size that depends on values (x[mask], nonzero) a symbol, u0, where a plain fake mode raises
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
     if grow_batch is not None:  # empty on meta, or fake under the mode: no memory either way
         with mode if not meta_params else contextlib.nullcontext():
-            inputs = [torch.empty((grow_batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device) if carries_batch(t, grow_batch) else t
-                      for t in inputs]
+            inputs = [torch.empty((grow_batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                      if carries_batch(t, grow_batch) else t for t in inputs]
     if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
         with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
             _MetaProp(gm).run(*inputs)
@@ -346,8 +378,9 @@ def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tenso
 
 @contextlib.contextmanager
 def fake_errors_unlogged() -> Iterator[None]:
-    """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run meta") before the error
-    reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only alarm."""
+    """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run
+    meta") before the error reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only
+    alarm."""
     logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), lambda record: record.levelno < logging.ERROR
     logger.addFilter(quiet)
     try:
@@ -363,7 +396,8 @@ def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
 
 
 def _batch_rows(arguments: dict[str, Any], batch: int, rows: int) -> dict[str, Any]:
-    """The arguments with ``rows`` rows of each batch tensor: its first rows, the last one repeated where it has fewer."""
+    """The arguments with ``rows`` rows of each batch tensor: its first rows, the last one repeated where it has
+    fewer."""
     def take(x: torch.Tensor) -> torch.Tensor:
         if not carries_batch(x, batch):
             return x
@@ -382,10 +416,11 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
             n.meta["val"] = val
 
 
-def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, whole: dict[str, Any], batch: int, rows: int) -> dict[fx.Node, Any] | None:
-    """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two graphs differ in more than
-    their literals: a graph of one static size cannot run at another, and a second export gives it the dynamic graph's batch facts. Marks
-    node.meta "batch_literal" where a literal differs."""
+def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, whole: dict[str, Any], batch: int,
+                                 rows: int) -> dict[fx.Node, Any] | None:
+    """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two
+    graphs differ in more than their literals: a graph of one static size cannot run at another, and a second export
+    gives it the dynamic graph's batch facts. Marks node.meta "batch_literal" where a literal differs."""
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
         other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
@@ -394,31 +429,39 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
         return None
     pairs = list(zip(gm.graph.nodes, other.graph_module.graph.nodes))
     if len(gm.graph.nodes) != len(other.graph_module.graph.nodes) or \
-            any((a.op, a.target, a.name, type(a.meta.get("val"))) != (b.op, b.target, b.name, type(b.meta.get("val"))) for a, b in pairs):
+            any((a.op, a.target, a.name, type(a.meta.get("val"))) != (b.op, b.target, b.name, type(b.meta.get("val")))
+                for a, b in pairs):
         return None
     for a, b in pairs:
         if literals(a) != literals(b):
-            a.meta["batch_literal"] = True  # reshape(2, -1) at 2 rows, reshape(3, -1) at 3: a number set by the batch size
+            # reshape(2, -1) at 2 rows, reshape(3, -1) at 3: a number set by the batch size
+            a.meta["batch_literal"] = True
     return {a: b.meta.get("val") for a, b in pairs}
 
 
 def _bound_data_dependent_sizes(traced: TracedModel) -> None:
-    """A value whose size depends on the values of its inputs (x[mask], nonzero: u0 rows, known to lie in [0, rows]) gets its largest size, for
-    the passes that cost and cut it; node.meta "data_dependent" says it has no fixed size, and partition keeps it inside one stage."""
+    """A value whose size depends on the values of its inputs (x[mask], nonzero: u0 rows, known to lie in [0, rows])
+    gets its largest size, for the passes that cost and cut it; node.meta "data_dependent" says it has no fixed size,
+    and partition keeps it inside one stage."""
     found = [n for n in traced.graph_module.graph.nodes if n.meta.get("data_dependent")]
     for n in found:
         n.meta["val"] = pytree.tree_map(_at_largest, n.meta["val"])
-    if sized := [n.name for n in found if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(n.meta["val"]))]:  # not a branch's .item()
-        traced.notes.append(f"sizes that depend on values (boolean-mask rows, nonzero) at {listed(sized)}: costed at their largest, and "
-                            f"kept inside one stage; balance='time' measures them")
+    if sized := [n.name
+                 for n in found if any(isinstance(x, torch.Tensor)
+                                       for x in pytree.tree_leaves(n.meta["val"]))]:  # not a branch's .item()
+        traced.notes.append(f"sizes that depend on values (boolean-mask rows, nonzero) at {listed(sized)}: costed at "
+                            f"their largest, and kept inside one stage; balance='time' measures them")
 
 
 def _at_largest(x: Any) -> Any:
-    """A number, or a fake tensor's sizes, with each symbol of the shape env at its upper bound (1 where it has none: ``.item()``)."""
+    """A number, or a fake tensor's sizes, with each symbol of the shape env at its upper bound (1 where it has none:
+    ``.item()``)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         bounds = {u: x.node.shape_env.var_to_range[u].upper for u in free_unbacked_symbols(x)}
-        value = x.node.expr.xreplace({u: 1 if b in (int_oo, -int_oo) or not b.is_finite else b for u, b in bounds.items()})
-        return int(value) if isinstance(x, torch.SymInt) else float(value) if isinstance(x, torch.SymFloat) else bool(value)
+        value = x.node.expr.xreplace({u: 1 if b in (int_oo, -int_oo) or not b.is_finite else b
+                                      for u, b in bounds.items()})
+        return int(value) if isinstance(x, torch.SymInt) else float(value) if isinstance(x, torch.SymFloat) \
+            else bool(value)
     if isinstance(x, torch.Tensor) and free_unbacked_symbols(x):
         with x.fake_mode:
             return torch.empty(tuple(_at_largest(d) for d in x.shape), dtype=x.dtype, device=x.device)
@@ -426,7 +469,8 @@ def _at_largest(x: Any) -> Any:
 
 
 def batch_rows(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-    """The batch as trace takes it: dim 0 of the first tensor argument in the order of the forward's parameters (None: 0-dim, or none)."""
+    """The batch as trace takes it: dim 0 of the first tensor argument in the order of the forward's parameters (None:
+    0-dim, or none)."""
     try:
         arguments: Any = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
     except TypeError:  # named where the call is traced or checked
@@ -441,7 +485,9 @@ def carries_batch(t: torch.Tensor, batch: int | None) -> bool:
 
 
 def _batch_size(tensors: list[torch.Tensor], first: str) -> int:
-    """The first tensor argument's dim 0; a tensor argument of another dim 0 goes whole to every micro-batch (runtime/microbatch.py)."""
+    """The first tensor argument's dim 0; a tensor argument of another dim 0 goes whole to every micro-batch
+    (runtime/microbatch.py)."""
     if tensors[0].dim() == 0:
-        raise ValueError(f"argument {first!r} is a 0-dim tensor; the first tensor argument must carry the batch in dim 0")
+        raise ValueError(f"argument {first!r} is a 0-dim tensor; the first tensor argument must carry the batch "
+                         f"in dim 0")
     return tensors[0].shape[0]

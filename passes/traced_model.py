@@ -1,6 +1,6 @@
-"""The trace pass's typed result, ``TracedModel``: a flat graph of the model and how to call it like the model (one graph
-input per tensor leaf of the bound arguments, other leaves baked in; one graph output per tensor leaf of the output; pytree
-specs rebuild the user's structures at the edges), and ``flat_root``, the module both routes trace
+"""The trace pass's typed result, ``TracedModel``: a flat graph of the model and how to call it like the model (one
+graph input per tensor leaf of the bound arguments, other leaves baked in; one graph output per tensor leaf of the
+output; pytree specs rebuild the user's structures at the edges), and ``flat_root``, the module both routes trace
 (docs/architecture.md, "Contracts between passes")."""
 from __future__ import annotations
 
@@ -43,19 +43,25 @@ class TracedModel:
     forced_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to forward though the call did not
     notes: list[str] = field(default_factory=list)
     static_batch: int | None = None    # rows every micro-batch must have; None: any number (dynamic)
-    assigned: list[str] = field(default_factory=list)  # module attributes the forward assigns tensors to and the graph does not
-    batch_inputs: list[bool] = field(default_factory=list)  # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
-    ambiguous_inputs: list[str] = field(default_factory=list)  # cut, with the batch size in another dim too, in a graph of one static size
-    grad_flags: tuple | None = None  # the inputs' and parameters' requires_grad, where the graph holds only what they gave (grad_flags)
+    # module attributes the forward assigns tensors to and the graph does not
+    assigned: list[str] = field(default_factory=list)
+    # per placeholder: cut into micro-batches (dim 0 the batch), else given whole; [] unknown
+    batch_inputs: list[bool] = field(default_factory=list)
+    # cut, with the batch size in another dim too, in a graph of one static size
+    ambiguous_inputs: list[str] = field(default_factory=list)
+    # the inputs' and parameters' requires_grad, where the graph holds only what they gave (grad_flags)
+    grad_flags: tuple | None = None
 
     @classmethod
     def for_call(cls, signature: inspect.Signature, arguments: dict[str, Any], **fields) -> TracedModel:
         """The calling convention of a call with these bound arguments; the graph is still to be traced."""
         with_paths, spec = pytree.tree_flatten_with_path(dict(arguments))
         tensors = [i for i, (_, leaf) in enumerate(with_paths) if isinstance(leaf, torch.Tensor)]
-        return cls(signature=signature, input_names=_leaf_names([with_paths[i][0] for i in tensors]), input_spec=spec, tensor_positions=tensors,
+        return cls(signature=signature, input_names=_leaf_names([with_paths[i][0] for i in tensors]), input_spec=spec,
+                   tensor_positions=tensors,
                    input_leaves=[None if i in tensors else leaf for i, (_, leaf) in enumerate(with_paths)],
-                   example_arguments={k: torch.empty(0) if isinstance(v, torch.Tensor) else None for k, v in arguments.items()}, **fields)
+                   example_arguments={k: torch.empty(0) if isinstance(v, torch.Tensor) else None
+                                      for k, v in arguments.items()}, **fields)
 
     def flat_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         return self.flatten_inputs(self.signature.bind(*args, **kwargs).arguments)
@@ -69,19 +75,21 @@ class TracedModel:
         names = dict(zip(self.tensor_positions, self.input_names))
         for i, (now, then) in enumerate(zip(leaves, self.input_leaves)):
             if i in names and not isinstance(now, torch.Tensor):
-                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is {type(now).__name__} now")
+                raise InputMismatch(f"argument {names[i]!r} was a tensor when the pipeline was compiled but is "
+                                    f"{type(now).__name__} now")
             if i not in names and not _same_constant(now, then):
                 raise InputMismatch(f"non-tensor argument #{i} was {then!r} when the pipeline was compiled and is "
                                     f"{now!r} now; it is baked into the graph")
         return [leaves[i] for i in self.tensor_positions]
 
     def check_grad_flags(self, model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> None:
-        """A graph that holds a reentrant checkpoint run without grad (none of its inputs required grad) is the plain model's only while
-        no input or parameter changes requires_grad."""
+        """A graph that holds a reentrant checkpoint run without grad (none of its inputs required grad) is the plain
+        model's only while no input or parameter changes requires_grad."""
         if self.grad_flags is not None and grad_flags(model, flat_inputs) != self.grad_flags:
-            raise InputMismatch("an input or parameter changed requires_grad since the pipeline was compiled, and the model's reentrant "
-                                "torch.utils.checkpoint, whose inputs then needed no gradient, was traced to give its parameters none, as the "
-                                "plain model did; compile the pipeline again (autopipe.compile) for these settings")
+            raise InputMismatch("an input or parameter changed requires_grad since the pipeline was compiled, and the "
+                                "model's reentrant torch.utils.checkpoint, whose inputs then needed no gradient, was "
+                                "traced to give its parameters none, as the plain model did; compile the pipeline "
+                                "again (autopipe.compile) for these settings")
 
     def rebuild_output(self, flat: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(_fill(self.output_leaves, self.output_positions, flat), self.output_spec)
@@ -92,11 +100,13 @@ class TracedModel:
         bound = inspect.BoundArguments(self.signature, {**arguments, **self.forced_kwargs})
         output = per_sample_lists(register_dataclasses(fn(*bound.args, **bound.kwargs)), self.batch_size)
         if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves(output)):
-            raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can be outputs")
+            raise TypeError("the output holds a number that depends on the batch size: only tensors and constants can "
+                            "be outputs")
         return self.keep_output_structure(output, (torch.Tensor, fx.Proxy))
 
     def keep_output_structure(self, output: Any, value_types: tuple[type, ...]) -> tuple:
-        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept for rebuild_output."""
+        """``output``'s leaves of ``value_types`` (the graph's flat outputs); its structure and other leaves are kept
+        for rebuild_output."""
         leaves, self.output_spec = pytree.tree_flatten(output)
         self.output_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, value_types)]
         self.output_leaves = [None if i in self.output_positions else leaf for i, leaf in enumerate(leaves)]
@@ -131,7 +141,8 @@ def per_sample_lists(output: Any, batch: int) -> Any:
         return isinstance(node, list) and len(node) == batch > 1 and all(isinstance(x, torch.Tensor) for x in node) \
             and all(type(d) is int for d in node[0].shape) and rows_of_one(node)
 
-    return pytree.tree_map(lambda node: PerSampleList(torch.stack(node)) if per_sample(node) else node, output, is_leaf=per_sample)
+    return pytree.tree_map(lambda node: PerSampleList(torch.stack(node)) if per_sample(node) else node, output,
+                           is_leaf=per_sample)
 
 
 def grad_flags(model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> tuple:
@@ -180,8 +191,8 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
 
 
 def named_leaves(output: Any) -> list[tuple[str, Any]]:
-    """("output['logits']", leaf) for each leaf of a model's output, in the order the pipeline flattens it; by position for a pytree node
-    registered without keys (diffusers' outputs)."""
+    """("output['logits']", leaf) for each leaf of a model's output, in the order the pipeline flattens it; by position
+    for a pytree node registered without keys (diffusers' outputs)."""
     tree = register_dataclasses(output)
     try:
         return [("output" + pytree.keystr(path), t) for path, t in pytree.tree_flatten_with_path(tree)[0]]

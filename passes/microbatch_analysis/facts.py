@@ -82,25 +82,31 @@ def literals(n: fx.Node) -> list[str]:
 
 
 def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
-    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free", "batch_number", "data_dependent" and "selected_rows" from each
-    node's value at ``batch`` rows and its value one row larger, ``grown`` (docs/architecture.md, "Contracts between passes"; why not an int
-    comparison: "Pitfalls measured"). Without it (a static graph that exports at one size alone) only the batch tensors are known (k = 1), and
-    any literal may be the batch size."""
+    """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free", "batch_number", "data_dependent" and
+    "selected_rows" from each node's value at ``batch`` rows and its value one row larger, ``grown``
+    (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it (a
+    static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the
+    batch size."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if grown is None and literals(n):
             n.meta["literals_unknown"] = True  # any may be the batch size
         if sized_by_values(val) or grown is not None and sized_by_values(grown[n]):
-            n.meta["data_dependent"] = True  # x[mask]: rows of no fixed number a sample; mask.sum().item(): a count over the micro-batch
-            n.meta["batch_number"] = not isinstance(val, (torch.Tensor, tuple, list))  # torch.where's tuple is no number
+            # x[mask]: rows of no fixed number a sample; mask.sum().item(): a count over the micro-batch
+            n.meta["data_dependent"] = True
+            n.meta["batch_number"] = not isinstance(val,
+                                                    (torch.Tensor, tuple, list))  # torch.where's tuple is no number
             if rows := selected_rows(val):
                 n.meta["selected_rows"] = rows
         elif isinstance(val, torch.Tensor):
             k = val.shape[0] // batch if val.dim() and batch and val.shape[0] % batch == 0 else 0
-            if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1), *val.shape[1:]):
-                k = 0  # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
+            if k > 1 and grown is None or grown is not None and k and tuple(grown[n].shape) != (k * (batch + 1),
+                                                                                                *val.shape[1:]):
+                # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
+                k = 0
             n.meta["rows_per_sample"] = k
-            grows = [i for i, (a, b) in enumerate(zip(val.shape, grown[n].shape)) if a != b] if grown is not None else []
+            grows = [i
+                     for i, (a, b) in enumerate(zip(val.shape, grown[n].shape)) if a != b] if grown is not None else []
             if len(grows) == 1:
                 n.meta["batch_dim"] = grows[0]  # (seq, batch, d): 1
             if len(grows) > 1:
@@ -113,12 +119,15 @@ def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any]
 
 def sized_by_values(val: Any) -> bool:
     """Does the value hold a size or number that depends on values (an unbacked symbol of the shape env: u0)?"""
-    return any(free_unbacked_symbols(x) for x in pytree.tree_leaves(val) if isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)))
+    return any(free_unbacked_symbols(x)
+               for x in pytree.tree_leaves(val) if isinstance(x,
+                                                              (torch.Tensor, torch.SymInt, torch.SymFloat,
+                                                               torch.SymBool)))
 
 
 def selected_rows(val: Any) -> tuple[int, str] | None:
-    """(the dim of rows, its size) of a tensor whose one dim of a size set by values follows dims of 1: x[mask] (u0, d), x[None, idx]
-    (1, u0, d); of the tensors of a tuple (torch.where(mask)) if they agree."""
+    """(the dim of rows, its size) of a tensor whose one dim of a size set by values follows dims of 1: x[mask] (u0, d),
+    x[None, idx] (1, u0, d); of the tensors of a tuple (torch.where(mask)) if they agree."""
     found = set()
     for t in pytree.tree_leaves(val):
         dims = [i for i, d in enumerate(t.shape) if free_unbacked_symbols(d)] if isinstance(t, torch.Tensor) else [-1]
