@@ -12,13 +12,16 @@ from tabulate import tabulate
 
 @dataclass(frozen=True)
 class TargetCount:
-    """How one micro-batch counts what a mean-reduced cross-entropy or NLL loss divides by: its class-index targets
-    not equal to ``ignore_index``, each weighed by the class weight where there is one (torch's ``total_weight``).
-    The micro-batches' means, weighted by these counts over their sum, are the plain model's mean."""
+    """How one micro-batch counts what a mean divides by: for a mean-reduced cross-entropy or NLL loss, its
+    class-index targets not equal to ``ignore_index``, each weighed by the class weight where there is one (torch's
+    ``total_weight``); for a mean over rows a mask selected (``x[mask].mean()``), the mask's true entries times the
+    elements of a row (``per_row``). The micro-batches' means, weighted by these counts over their sum, are the plain
+    model's mean."""
 
-    target: str                 # the node of the targets, computed from the model's inputs alone
-    ignore_index: int
+    target: str                 # the node of the targets, or of the mask, computed from the model's inputs alone
+    ignore_index: int | None = None  # None: ``target`` is a mask of selected rows
     weight: str | None = None   # the qualified name of the class-weight tensor
+    per_row: int = 1            # a mask's: the elements the mean takes from each row it selects
 
 
 @dataclass(frozen=True)

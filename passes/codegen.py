@@ -466,6 +466,9 @@ def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | 
     counts = []
     for c in counted:
         target = env[nodes[c.target]]
+        if c.ignore_index is None:  # a mask: the rows it selects, times the elements the mean takes from each
+            counts.append(graph.call_function(operator.mul, (graph.call_method("sum", (target,)), c.per_row)))
+            continue
         valid = graph.call_function(operator.ne, (target, c.ignore_index))
         if c.weight is not None:  # torch's total_weight: the class weights of the targets not ignored
             weight = graph.call_method("to",

@@ -62,9 +62,11 @@ def _unknown_merge(name: str) -> str:
 
 
 def _count_merge(name: str, count: TargetCount) -> str:
-    return (f"output {name}: a mean over the targets {count.target} not equal to {count.ignore_index}"
-            f"{' weighed by ' + count.weight if count.weight else ''}: merged exactly, each micro-batch's mean "
-            f"weighted by its count of them over the batch's (counted from the inputs before the step)")
+    over = f"the rows the mask {count.target} selects" if count.ignore_index is None else \
+        f"the targets {count.target} not equal to {count.ignore_index}"
+    weighed = f" weighed by {count.weight}" if count.weight else ""
+    return (f"output {name}: a mean over {over}{weighed}: merged exactly, each micro-batch's mean weighted by its "
+            f"count of them over the batch's (counted from the inputs before the step)")
 
 
 def analyse_micro_batches(traced: TracedModel) -> MicroBatchAnalysis:

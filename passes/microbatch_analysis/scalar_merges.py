@@ -3,6 +3,7 @@ the targets it does not ignore, weighted by each micro-batch's count of them) or
 "Pitfalls measured": merging outputs)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def scalar_merges(gm: fx.GraphModule,
     ``num_items_in_batch``), "count" (a cross-entropy's mean over the targets it does not ignore, whose targets come
     from the inputs alone: weighted by each micro-batch's count of them, the second result), or "unknown"."""
     counted: dict[fx.Node, TargetCount] = {}  # a "count" node -> how a micro-batch counts its targets
+    carried: dict[fx.Node, list[fx.Node]] = {}  # a counted node -> the counted values it is computed from
 
     def kind(n, reader: fx.Node | None = None) -> str:
         if not isinstance(n, fx.Node) or n not in from_batch:
@@ -45,6 +47,9 @@ def scalar_merges(gm: fx.GraphModule,
         first = n.args[0] if n.args else None
         if name in ("mean", "sum") and rows_per_sample(first) == 1 and not n.meta["val"].dim():
             return name
+        if _over_elements(gm, n, name) and (count := _selected_rows_count(gm, first, name)) is not None:
+            counted[n] = count
+            return "count"
         if name in _TARGET_MEANS and _reduction(gm, n) == "mean" and (count := _target_count(gm, n)) is not None:
             counted[n] = count
             return "count"
@@ -64,15 +69,18 @@ def scalar_merges(gm: fx.GraphModule,
             if name != "mul" and _batch_size_of(b) and kind(a, n) == "sum":
                 return "mean"  # a sum over samples over the batch size (x.size(0)): their mean
         if name in ("add", "sub") and len(n.args) == 2:
-            kinds = {kind(a, n) for a in n.args if a in from_batch}
+            operands = [a for a in n.args if a in from_batch]
+            kinds = {kind(a, n) for a in operands}
             constant = any(a not in from_batch for a in n.args)
             if kinds == {"mean"} or kinds == {"sum"} and not constant:
                 return kinds.pop()
+            if kinds == {"count"} and not constant and len({counted[a] for a in operands}) == 1:
+                return carry(n, "count", *operands)  # two means over the same count: their sum is one
         return "unknown"
 
-    def carry(n: fx.Node, how: str, source: Any) -> str:  # a view, cast or constant factor of a counted mean: the same
+    def carry(n: fx.Node, how: str, *sources: Any) -> str:  # a view, cast or constant factor of a counted mean
         if how == "count":
-            counted[n] = counted[source]
+            counted[n], carried[n] = counted[sources[0]], list(sources)
         return how
 
     def last_write(n: fx.Node) -> fx.Node:  # loss.div_(n) without "loss =": the output node is the one before
@@ -83,7 +91,14 @@ def scalar_merges(gm: fx.GraphModule,
     output = next(n for n in gm.graph.nodes if n.op == "output")
     merges = {n: kind(last_write(n)) for n in output.all_input_nodes
               if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.is_floating_point()}
-    return merges, counted
+    # only what an output merged by count is computed from: a counted mean that reaches an output otherwise (added to
+    # a load-balancing loss) merges by no count, and stays refused where it reads rows a mask selected
+    reached, todo = {}, [last_write(n) for n, how in merges.items() if how == "count"]
+    while todo:
+        if (n := todo.pop()) not in reached:
+            reached[n] = counted[n]
+            todo.extend(carried.get(n, []))
+    return merges, reached
 
 
 def _op_of(gm: fx.GraphModule, n: fx.Node) -> str:
@@ -135,6 +150,45 @@ def _target_count(gm: fx.GraphModule, n: fx.Node) -> TargetCount | None:
     if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.dtype == torch.bool:
         return None  # class probabilities: a mean over rows
     return TargetCount(target=target.name, ignore_index=ignore_index, weight=weight)
+
+
+def _over_elements(gm: fx.GraphModule, n: fx.Node, name: str) -> bool:
+    """``n`` averages its first argument into one number: ``x.mean()``, or a loss reducing by "mean" or "batchmean"."""
+    if name == "mean":
+        return not n.meta["val"].dim()
+    return name in _LOSSES and _reduction(gm, n) in ("mean", "batchmean")
+
+
+def _selected_rows_count(gm: fx.GraphModule, x: Any, name: str) -> TargetCount | None:
+    """How a micro-batch counts what a mean over ``x``, rows a boolean mask computed from the inputs alone selected
+    (``h[labels != -100]``, row-wise ops after it), divides by: the mask's true entries times a row's elements (one
+    for kl_div's "batchmean"). None for anything else: such a mean stays refused (selections.py)."""
+    def selected(v: Any) -> bool:
+        return isinstance(v, fx.Node) and (v.meta.get("selected_rows") or (None,))[0] == 0
+
+    if not selected(x):
+        return None
+    node = x
+    while (mask := _selecting_mask(node)) is None:
+        node = next((a for a in node.all_input_nodes if selected(a)), None)
+        if node is None:
+            return None
+    if not _from_inputs_alone(gm, mask):
+        return None
+    per_row = math.prod(int(d) for d in x.meta["val"].shape[1:]) if name != "kl_div" else 1
+    return TargetCount(target=mask.name, per_row=per_row)
+
+
+def _selecting_mask(n: fx.Node) -> fx.Node | None:
+    """The boolean mask ``n`` selects rows by, as its only index, over its leading dims (``x[mask]``)."""
+    if op_name(n.target) not in ("getitem", "index") or len(n.args) < 2:
+        return None
+    index = n.args[1] if isinstance(n.args[1], (tuple, list)) else (n.args[1],)
+    nodes = [i for i in index if isinstance(i, fx.Node)]
+    first = index[0] if index else None
+    if len(nodes) != 1 or first is not nodes[0] or getattr(first.meta.get("val"), "dtype", None) != torch.bool:
+        return None
+    return first
 
 
 def _from_inputs_alone(gm: fx.GraphModule, n: fx.Node) -> bool:

@@ -245,3 +245,52 @@ def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_
         assert abs(ranks[1][name]["loss"] - want.item()) <= TOLERANCE * want.item(), name
         got = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}
         assert_same_grads(got, grads_of(reference))
+
+
+class SelectedRowsMean(nn.Module):
+    """A mean over the rows a mask of the inputs selects (rows selected by value), written four ways."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.b = how, nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        kept = y[:, 0] > 0
+        h = self.b(torch.tanh(self.a(x)))
+        if self.how == "mean":
+            return (h[kept] ** 2).mean()
+        if self.how == "mse_loss":
+            return F.mse_loss(h[kept], y[kept])
+        if self.how == "two means":  # over the same count: one mean
+            return F.mse_loss(h[kept], y[kept]) + 0.5 * h[kept].abs().mean()
+        if self.how == "plus a batch mean":  # over two counts: no merge of micro-batch values is the plain model's
+            return (h[kept] ** 2).mean() + h.pow(2).mean()
+        return h[h[:, 0] > 0].mean()  # a mask the weights set: not counted before the step
+
+
+def selected_rows_batch():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 3, dtype=torch.double)
+    y[:2, 0], y[4, 0] = -1.0, -1.0  # the first micro-batch selects no row
+    return x, y
+
+
+@pytest.mark.parametrize("how", ["mean", "mse_loss", "two means"])
+def test_a_mean_over_rows_a_mask_of_the_inputs_selects_merges_by_count(how):
+    x, y = selected_rows_batch()
+    model = SelectedRowsMean(how).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, route="fx")
+    loss, want = pipe(x, y), reference(x, y)
+    assert [t.scalar_merge for t in pipe.plan.tensors.values() if t.is_output] == ["count"]
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    loss.backward()
+    want.backward()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+@pytest.mark.parametrize("how", ["plus a batch mean", "a mask the weights set"])
+def test_a_mean_over_selected_rows_with_no_count_known_ahead_stays_refused(how):
+    x, y = selected_rows_batch()
+    with pytest.raises(ValueError, match="reads rows selected by value"):
+        autopipe.compile(SelectedRowsMean(how).double(), devices=["cpu"] * 2, chunks=4, route="fx")(x, y)
