@@ -155,8 +155,10 @@ def _is_tensor_valued(n: fx.Node) -> bool:
 
 
 def _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum, output_args,
-                analysis: MicroBatchAnalysis) -> Plan:
+                analysis: MicroBatchAnalysis | None = None) -> Plan:
+    """The Plan of an assignment of nodes to stages (benchmarks/partition.py scores other methods' cuts with it)."""
     gm = costed.traced.graph_module
+    analysis = analysis if analysis is not None else analyse_micro_batches(costed.traced)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = [n for n in gm.graph.nodes if n in stage_of or n in free]
     devices = list(devices) if devices is not None else [torch.device("cpu")] * n_stages
