@@ -1,12 +1,14 @@
 """autopipe: compile an unmodified PyTorch model into a pipeline (README.md; design: docs/architecture.md)."""
 from autopipe.compile import Options, compile, plan, run_passes
-from autopipe.errors import BatchSpecialised, InputMismatch, NoFeasiblePlan, PipelineError, StageFailure, TraceError, UnroutedRandomOp
+from autopipe.errors import (BatchSpecialised, InputMismatch, NoFeasiblePlan, PipelineError, StageFailure, TraceError,
+                             UnroutedRandomOp)
 from autopipe.plan import Plan, StagePlan
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.schedule import Schedule
 from autopipe.verify import VerifyReport, verify
 
-__all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan", "StagePlan", "Schedule", "VerifyReport",
-           "BatchSpecialised", "InputMismatch", "NoFeasiblePlan", "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
+__all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan",
+           "StagePlan", "Schedule", "VerifyReport", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan",
+           "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
 __version__ = "0.2.0"

@@ -1,6 +1,7 @@
-"""What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks: pure functions over a Plan and its CostedGraph,
-no runtime starts and no real memory is touched. Activations are what autograd saves, counted on fake tensors with pipe.memory's hook. Not modelled:
-the backward's transient gradients, the allocator, the loss outside the pipeline."""
+"""What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks: pure functions
+over a Plan and its CostedGraph, no runtime starts and no real memory is touched. Activations are what autograd saves,
+counted on fake tensors with pipe.memory's hook. Not modelled: the backward's transient gradients, the allocator, the
+loss outside the pipeline."""
 from __future__ import annotations
 
 import functools
@@ -25,11 +26,14 @@ from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, stages_per_d
 from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
 
 # optimizer state per trainable parameter byte
-OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2}
+OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1,
+                   "adam": 2, "adamw": 2}
 BACKWARD_FACTOR = 2.0   # backward FLOPs per forward FLOP (grad of the input + grad of the weight)
 RECOMPUTE_FACTOR = 1.0  # a recompute is one more forward
-# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on (1.4e11 FLOP/s: overhead.txt's transformer_like
-# step, 3 x 70.9 GFLOP in 1.54 s). TASK_SECONDS: the runtime's hand-off (overhead.txt: one worker at chunks=1 adds ~1.4 ms to the small-op GPT's 2 tasks);
+# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on (1.4e11
+# FLOP/s: overhead.txt's transformer_like
+# step, 3 x 70.9 GFLOP in 1.54 s). TASK_SECONDS: the runtime's hand-off (overhead.txt: one worker at chunks=1 adds ~1.4
+# ms to the small-op GPT's 2 tasks);
 # OP_SECONDS: each op's dispatch, which a small micro-batch no longer hides (notes/distributed.md: ~10-20 us an op).
 DEVICE_FLOPS = 1.4e11
 TASK_SECONDS = 0.7e-3
@@ -81,7 +85,8 @@ def saved_tensors(costed: CostedGraph) -> SavedTensors:
     env: dict[fx.Node, Any] = {}
     saves: dict[str, frozenset[int]] = {}
     values: dict[str, frozenset[int]] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode(False), torch.enable_grad(), fake_errors_unlogged():
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode(False), torch.enable_grad(), \
+            fake_errors_unlogged():
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = fake(node.meta.get("val"))
@@ -116,7 +121,8 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Ca
         if fn is not None and random_ops.draws(constants := constants_of(module)):
             return fn(args[0] if args else kwargs["input"], **constants)
         owned = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        return torch.func.functional_call(module, {name: resident_fake(t) for name, t in owned}, tuple(args), dict(kwargs), strict=False)
+        return torch.func.functional_call(module, {name: resident_fake(t) for name, t in owned}, tuple(args),
+                                          dict(kwargs), strict=False)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     target = node.target
@@ -171,16 +177,18 @@ class PredictedMemory(list):
         return max(self.per_device(), default=0)
 
     def __str__(self) -> str:
-        formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} x trainable bytes) + kept + recompute\n"
-                   "kept = in_flight x (inputs/M if recomputed else activations/M), in_flight = micro-batches whose forward is done and backward not "
-                   "(Schedule.max_in_flight: M for gpipe, K - s for 1f1b, K for zb-h1)\n"
-                   "zb-h1, zbv: a stage whose W runs apart holds a micro-batch's activations (recomputed or not) "
-                   "and the gradients B kept for W from B until W\n"
-                   "recompute = activations/M of one recomputed micro-batch, held while its backward runs\n"
-                   "activations = what autograd saves in one forward of the stage, plus inputs no op saves")
+        formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} "
+                   f"x trainable bytes) + kept + recompute\nkept = in_flight x (inputs/M if recomputed else "
+                   f"activations/M), in_flight = micro-batches whose forward is done and backward not "
+                   f"(Schedule.max_in_flight: M for gpipe, K - s for 1f1b, K for zb-h1)\nzb-h1, zbv: a stage whose W "
+                   f"runs apart holds a micro-batch's activations (recomputed or not) and the gradients B kept for W "
+                   f"from B until W\nrecompute = activations/M of one recomputed micro-batch, held while its backward "
+                   f"runs\nactivations = what autograd saves in one forward of the stage, plus inputs no op saves")
         rows = [[p.stage, p.device, _human(p.params), _human(p.grads), _human(p.optimizer_state), p.in_flight,
                  _human(p.kept_activations), _human(p.recompute_peak), _human(p.total), p.formula] for p in self]
-        table = tabulate(rows, headers=["stage", "device", "params", "grads", "optimizer", "in flight", "kept", "recompute", "total", "kept ="])
+        table = tabulate(rows,
+                         headers=["stage", "device", "params", "grads", "optimizer", "in flight", "kept", "recompute",
+                                  "total", "kept ="])
         head = (f"Predicted memory: {self.schedule} (v={self.virtual_stages}), checkpoint={self.checkpoint!r}, "
                 f"M={self.chunks} micro-batches on {self.n_devices} device(s)")
         devices = "per device: " + ", ".join(f"{d}: {_human(b)}" for d, b in enumerate(self.per_device()))
@@ -189,8 +197,9 @@ class PredictedMemory(list):
     __repr__ = __str__
 
 
-def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last", chunks: int | None = None,
-                   virtual_stages: int = 1, optimizer: str | None = "adam", *, saved: SavedTensors | None = None) -> PredictedMemory:
+def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
+                   chunks: int | None = None, virtual_stages: int = 1, optimizer: str | None = "adam", *,
+                   saved: SavedTensors | None = None) -> PredictedMemory:
     """Per stage of ``plan``: parameters, gradients, optimizer state, kept activations and the recompute peak."""
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {[k for k in OPTIMIZER_STATE if k]} or None, got {optimizer!r}")
@@ -278,8 +287,9 @@ def _held(order: list, kept: list[float], act: list[float], stash: list[float], 
     return peak, " + ".join(terms) or "0"
 
 
-def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last", chunks: int | None = None,
-                        virtual_stages: int = 1, *, task_overhead: float | None = None) -> float:
+def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
+                        chunks: int | None = None, virtual_stages: int = 1, *,
+                        task_overhead: float | None = None) -> float:
     """The busiest device's forwards, backwards, recomputes and ``task_overhead`` per (stage, micro-batch) task
     (None: DEVICE_FLOPS x (TASK_SECONDS + OP_SECONDS per op)), in the plan's cost units, over (1 - the bubble)."""
     chunks = chunks or plan.chunks
@@ -337,28 +347,36 @@ class AutoChoice:
         shown: dict[Any, Candidate] = {}
         for c in sorted(self.candidates, key=_rank):
             shown.setdefault(id(c) if full else (c.schedule, c.virtual_stages, c.checkpoint), c)
-        rows = [["->" if c is self.chosen else "", c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
-                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}", f"{c.time / self.ideal:.3f}",
-                 "fits" if c.fits else f"over by {_human(c.peak - self.memory_cap)}"] for c in shown.values()]
-        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)", f"cap {_human(self.memory_cap)}"]
-        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"), *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
+        rows = [["->" if c is self.chosen else "",
+                 c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
+                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}",
+                 f"{c.time / self.ideal:.3f}", "fits" if c.fits else f"over by {_human(c.peak - self.memory_cap)}"]
+                for c in shown.values()]
+        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)",
+                   f"cap {_human(self.memory_cap)}"]
+        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"),
+                          *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
 
     def __str__(self) -> str:
         c = self.chosen
         v = f" (virtual_stages={c.virtual_stages})" if c.virtual_stages > 1 else ""
-        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak {_human(c.peak)} per device (cap "
-                f"{_human(self.memory_cap)}), bubble {c.bubble:.3f}, step {c.time / self.ideal:.2f}x ideal\nAlternatives weighed (batch {self.batch_size}, "
-                f"{self.n_devices} device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, 3 x total cost / K, with a fixed cost per task; the "
-                f"fastest that fits wins; shown: the best per schedule and checkpoint of {len(self.candidates)}, all in .table(full=True)):\n" + self.table())
+        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak "
+                f"{_human(c.peak)} per device (cap {_human(self.memory_cap)}), bubble {c.bubble:.3f}, step "
+                f"{c.time / self.ideal:.2f}x ideal\nAlternatives weighed (batch {self.batch_size}, {self.n_devices} "
+                f"device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, 3 x total cost / K, with a "
+                f"fixed cost per task; the fastest that fits wins; shown: the best per schedule and checkpoint of "
+                f"{len(self.candidates)}, all in .table(full=True)):\n" + self.table())
 
     __repr__ = __str__
 
 
-def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int, memory_cap: float,
-                         schedules: Sequence[str] = SCHEDULES, checkpoint_modes: Sequence[str] = CHECKPOINT_MODES,
-                         chunks: int | Sequence[int] | None = None, optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
-    """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)`` gives an uncapped Plan and
-    its CostedGraph. ``chunks=None`` weighs powers of two and the batch size; "interleaved" runs 2 virtual stages per device."""
+def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int,
+                         memory_cap: float, schedules: Sequence[str] = SCHEDULES,
+                         checkpoint_modes: Sequence[str] = CHECKPOINT_MODES, chunks: int | Sequence[int] | None = None,
+                         optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
+    """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)``
+    gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size; "interleaved"
+    runs 2 virtual stages per device."""
     auto = chunks is None
     counts = {2 ** k for k in range(batch_size.bit_length())} | {max(batch_size, 1)} if auto else chunks
     counts = [counts] if isinstance(counts, int) else sorted(set(counts))
@@ -394,10 +412,12 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
         return replace(choice, chosen=least)
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
     resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
-    raise NoFeasiblePlan(f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): the smallest predicted peak is "
-                         f"{_human(least.peak)} (schedule={least.schedule!r}, checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, "
-                         f"of which {_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). Raise memory_cap to at least "
-                         f"{_human(least.peak)}, add devices, use a lighter optimizer, or a smaller batch.\nAlternatives weighed:\n{choice.table()}")
+    raise NoFeasiblePlan(f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): "
+                         f"the smallest predicted peak is {_human(least.peak)} (schedule={least.schedule!r}, "
+                         f"checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, of which "
+                         f"{_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). "
+                         f"Raise memory_cap to at least {_human(least.peak)}, add devices, use a lighter optimizer, or "
+                         f"a smaller batch.\nAlternatives weighed:\n{choice.table()}")
 
 
 def _rank(c: Candidate) -> tuple:

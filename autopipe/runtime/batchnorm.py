@@ -1,7 +1,8 @@
 """Deferred BatchNorm: running statistics from the whole mini-batch, as the plain model's.
 
-torchgpipe's DeferredBatchNorm (torchgpipe/batchnorm.py), without swapping the user's modules: a thread-local TorchFunctionMode intercepts
-``F.batch_norm`` (fx route) and ``aten.batch_norm`` (export route); see docs/architecture.md, "Runtime"."""
+torchgpipe's DeferredBatchNorm (torchgpipe/batchnorm.py), without swapping the user's modules: a thread-local
+TorchFunctionMode intercepts ``F.batch_norm`` (fx route) and ``aten.batch_norm`` (export route); see
+docs/architecture.md, "Runtime"."""
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,9 @@ class DeferredStatistics:
     """Per-step per-channel sums shared by the stages' workers; committed once after the forward phase."""
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = {id(m.running_mean): m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
+        self.modules = {id(m.running_mean): m
+                        for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                        and m.running_mean is not None}
         self.stats: dict[int, _Stats] = {}
         self.lock = threading.Lock()
 

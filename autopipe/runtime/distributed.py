@@ -51,8 +51,9 @@ def _backend(device: torch.device) -> str:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.index != local_rank:
         raise ValueError(f"local rank {local_rank}'s model is on {device}, but with a GPU for every local rank the "
-                         f"pipeline runs over NCCL, which needs local rank r on cuda:r: model.to(f'cuda:{{LOCAL_RANK}}'). "
-                         f"To share GPUs, call torch.distributed.init_process_group('gloo') before compiling")
+                         f"pipeline runs over NCCL, which needs local rank r on cuda:r: "
+                         f"model.to(f'cuda:{{LOCAL_RANK}}'). To share GPUs, call "
+                         f"torch.distributed.init_process_group('gloo') before compiling")
     torch.cuda.set_device(device)
     return "nccl"
 
@@ -95,13 +96,17 @@ class DistributedPipeline(torch.nn.Module):
         self.stage_indices = [s for s in range(len(options.devices)) if self.rank_of(s) == self.stage_index]
         self._run_passes = run_passes
         self._program = None
-        self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks, options.virtual_stages))
+        self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks,
+                                                                       options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
         replicas = [list(range(p * self.n_ranks, (p + 1) * self.n_ranks)) for p in range(data_parallel)]
         self.pipeline_groups = [dist.new_group(ranks) for ranks in replicas]
-        # NCCL runs a pair's messages in posting order, both directions: messages to a lower rank get groups of their own (architecture.md)
-        self.downward_groups = [dist.new_group(ranks) for ranks in replicas] if "nccl" in str(dist.get_backend()) else self.pipeline_groups
-        self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks))) for r in range(self.n_ranks)]
+        # NCCL runs a pair's messages in posting order, both directions: messages to a lower rank get groups of their
+        # own (architecture.md)
+        nccl = "nccl" in str(dist.get_backend())
+        self.downward_groups = [dist.new_group(ranks) for ranks in replicas] if nccl else self.pipeline_groups
+        self.data_parallel_groups = [dist.new_group(list(range(r, self.world, self.n_ranks)))
+                                     for r in range(self.n_ranks)]
 
     @property
     def plan(self):
@@ -114,7 +119,8 @@ class DistributedPipeline(torch.nn.Module):
 
     def _built(self):
         if self._program is None:
-            raise RuntimeError("the pipeline compiles on its first step: call pipe.step(...) once, or pass example_inputs to autopipe.compile")
+            raise RuntimeError("the pipeline compiles on its first step: call pipe.step(...) once, or pass "
+                               "example_inputs to autopipe.compile")
         return self._program
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -133,14 +139,16 @@ class DistributedPipeline(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = False, assign: bool = False):
         """Load this rank's slice from a full (or partial) state dict of the model."""
         for stage in self.stages:
-            stage.load_state_dict({k: state_dict[k] for k in stage.state_dict() if k in state_dict}, strict=strict, assign=assign)
+            stage.load_state_dict({k: state_dict[k] for k in stage.state_dict() if k in state_dict}, strict=strict,
+                                  assign=assign)
 
     train = Pipeline.train  # the model's own mode
     _apply = Pipeline._apply  # pipe.to()/.cuda()/.half(): placement is the plan's, refused as in-process
 
     def __repr__(self) -> str:
-        return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, replica {self.replica} of "
-                f"{self.data_parallel}, chunks={self.options.chunks}, checkpoint={self.options.checkpoint!r})")
+        return (f"DistributedPipeline(rank {self.rank}: stages {self.stage_indices} of {len(self.options.devices)}, "
+                f"replica {self.replica} of {self.data_parallel}, chunks={self.options.chunks}, "
+                f"checkpoint={self.options.checkpoint!r})")
 
     def close(self) -> None:
         if self._program is not None:
@@ -153,7 +161,8 @@ class DistributedPipeline(torch.nn.Module):
                                       "equal micro-batches; under torchrun use a batch divisible by chunks")
         program = compiled.main
         stages = {s: program.stages[s] for s in self.stage_indices}
-        self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout, group=self.pipeline_groups[self.replica],
+        self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout,
+                                       group=self.pipeline_groups[self.replica],
                                        downward=self.downward_groups[self.replica], rank_of=self.rank_of,
                                        name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
         self._runners = {s: StageRunner(stage) for s, stage in stages.items()}
@@ -190,12 +199,14 @@ class DistributedPipeline(torch.nn.Module):
                 torch.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
                 self.model.get_submodule(owner_name).reset_parameters()
         if unset:
-            warnings.warn(f"rank {self.rank}: modules {unset[:5]}{'...' if len(unset) > 5 else ''} were on the meta device and have no reset_parameters(): "
-                          f"their tensors hold uninitialised memory until you call pipe.load_state_dict(...)", stacklevel=3)
+            warnings.warn(f"rank {self.rank}: modules {unset[:5]}{'...' if len(unset) > 5 else ''} were on the meta "
+                          f"device and have no reset_parameters(): their tensors hold uninitialised memory until you "
+                          f"call pipe.load_state_dict(...)", stacklevel=3)
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs):
-        """Forward and backward of all micro-batches in schedule order on every rank. Call it with the same arguments on every rank
-        (each stage reads only the inputs its nodes use). Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
+        """Forward and backward of all micro-batches in schedule order on every rank. Call it with the same arguments on
+        every rank (each stage reads only the inputs its nodes use). Returns the mini-batch loss on the last stage's
+        ranks, None elsewhere."""
         if self._program is None:
             self.compile_for(args, kwargs)
         traced, transport, runners = self._program.traced, self._transport, self._runners
@@ -205,12 +216,14 @@ class DistributedPipeline(torch.nn.Module):
         rows = microbatch.split(flat, sizes)
         local = [dict(zip(traced.input_names, row)) for row in rows]
         schedule = self._schedule(len(sizes))
-        state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint, schedule=schedule,
-                                deferred_model=self.model if self.deferred_batch_norm else None, track_memory=False, devices=self.options.devices[:1])
+        state = StepState.start(training=True, random=self.model.training, checkpoint=self.options.checkpoint,
+                                schedule=schedule, deferred_model=self.model if self.deferred_batch_norm else None,
+                                track_memory=False, devices=self.options.devices[:1])
         last, loss = len(self.options.devices) - 1, None
         if last in runners:
-            loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output, targets=microbatch.split_target(target, sizes),
-                        sizes=sizes, plan=self._program.plan, output_counts=[self._program.count_targets(row) for row in rows])
+            loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output,
+                        targets=microbatch.split_target(target, sizes), sizes=sizes, plan=self._program.plan,
+                        output_counts=[self._program.count_targets(row) for row in rows])
         for runner in runners.values():
             runner.start_step(state)
         transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)

@@ -1,7 +1,7 @@
 """The executor: runs one device's schedule tasks over a transport; one loop for every transport.
 
-A transport only moves values (runtime/threads.py in-process, runtime/p2p.py between ranks); the order of the work comes from the
-Schedule, so a new schedule needs no new runtime."""
+A transport only moves values (runtime/threads.py in-process, runtime/p2p.py between ranks); the order of the work comes
+from the Schedule, so a new schedule needs no new runtime."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
@@ -16,11 +16,14 @@ if TYPE_CHECKING:
 
 
 class Transport(Protocol):
-    """How tensors reach a stage. Values are listed in the stage's input/output name order; the receiving calls wait for them."""
+    """How tensors reach a stage. Values are listed in the stage's input/output name order; the receiving calls wait for
+    them."""
 
-    def inputs(self, stage: int, micro_batch: int) -> tuple[list, list[bool]]: ...  # and whether each input gets a gradient
+    # and whether each input gets a gradient
+    def inputs(self, stage: int, micro_batch: int) -> tuple[list, list[bool]]: ...
     def send_outputs(self, stage: int, micro_batch: int, outputs: list) -> None: ...
-    def output_grads(self, stage: int, micro_batch: int) -> list: ...  # each stage output's gradient, None where there is none
+    # each stage output's gradient, None where there is none
+    def output_grads(self, stage: int, micro_batch: int) -> list: ...
     def send_input_grads(self, stage: int, micro_batch: int, grads: list) -> None: ...
     def finals(self, micro_batch: int) -> list: ...  # the model's flat outputs of one micro-batch, for the loss
     def send_final_grads(self, micro_batch: int, grads: list) -> None: ...
@@ -55,9 +58,11 @@ def note_failure(error: BaseException, task: Task, device: torch.device) -> None
     if hasattr(error, "_autopipe_where") or isinstance(error, StageFailure):
         return
     kind = {"F": "forward", "B": "backward", "W": "parameter gradients"}[task.kind]
-    error._autopipe_where = f"{kind} of micro-batch {task.micro_batch} (stage {task.stage})"  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    error._autopipe_where = f"{kind} of micro-batch {task.micro_batch} (stage {task.stage})"
     if hasattr(error, "add_note"):  # Python >= 3.11
-        error.add_note(f"autopipe: raised in stage {task.stage} ({device}) on micro-batch {task.micro_batch} during {kind}; see pipe.stages[{task.stage}].code")
+        error.add_note(f"autopipe: raised in stage {task.stage} ({device}) on micro-batch {task.micro_batch} during "
+                       f"{kind}; see pipe.stages[{task.stage}].code")
 
 
 class StageFailure(RuntimeError):

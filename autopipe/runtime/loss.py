@@ -13,7 +13,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,12 @@ from torch.overrides import TorchFunctionMode
 if TYPE_CHECKING:
     from autopipe.plan import Plan
 
-    from .executor import Transport
+
+class _Finals(Protocol):
+    """The part of executor.py's Transport the loss uses: a micro-batch's flat outputs, and where their gradients go."""
+
+    def finals(self, micro_batch: int) -> list: ...
+    def send_final_grads(self, micro_batch: int, grads: list) -> None: ...
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Loss:
             if None not in counts:
                 self.target_shares = _shares(counts)
 
-    def run(self, i: int, transport: Transport) -> None:
+    def run(self, i: int, transport: _Finals) -> None:
         leaves = [_leaf(v) for v in transport.finals(i)]  # the loss's graph starts at the model's outputs
         device = next((v.device for v in leaves if isinstance(v, torch.Tensor)), None)
         target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and device else t,

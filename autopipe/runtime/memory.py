@@ -1,4 +1,5 @@
-"""The memory report: bytes each stage keeps between forward and backward, and its peak; how they are counted: docs/architecture.md, "Memory report"."""
+"""The memory report: bytes each stage keeps between forward and backward, and its peak; how they are counted:
+docs/architecture.md, "Memory report"."""
 from __future__ import annotations
 
 import threading
@@ -49,12 +50,14 @@ class MemoryReport:
             if s.cuda_peak is None:
                 return "-"
             others = [str(k) for k, t in enumerate(self.stages) if k != j and t.device == s.device]
-            return f"{human_bytes(s.cuda_peak)} {s.device}" + (f", shared with stage {', '.join(others)}" if others else "")
+            shared = f", shared with stage {', '.join(others)}" if others else ""
+            return f"{human_bytes(s.cuda_peak)} {s.device}{shared}"
 
         rows = [[j, human_bytes(s.kept), human_bytes(s.recompute_peak), human_bytes(s.peak), cuda(j, s)]
                 for j, s in enumerate(self.stages)]
         return (f"Memory of the last step (checkpoint={self.checkpoint!r}; saved activations, parameters excluded):\n"
-                + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"], tablefmt="simple"))
+                + tabulate(rows, headers=["stage", "kept fwd->bwd", "recompute", "peak (saved)", "peak (CUDA alloc)"],
+                           tablefmt="simple"))
 
     __repr__ = __str__
 

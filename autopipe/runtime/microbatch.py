@@ -1,5 +1,6 @@
-"""Split the trace's flat tensor inputs into micro-batches on dim 0 (sizes differ by at most one) and merge outputs. A tensor argument whose
-dim 0 is not the batch (a (seq, seq) attention mask, Flux's position ids) goes whole to every micro-batch, as the plain model sees it."""
+"""Split the trace's flat tensor inputs into micro-batches on dim 0 (sizes differ by at most one) and merge outputs. A
+tensor argument whose dim 0 is not the batch (a (seq, seq) attention mask, Flux's position ids) goes whole to every
+micro-batch, as the plain model sees it."""
 from __future__ import annotations
 
 import warnings
@@ -18,30 +19,33 @@ def micro_batch_sizes(batch: int, chunks: int) -> list[int]:
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks}")
     if batch < chunks:
-        warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row", stacklevel=4)
+        warnings.warn(f"batch of {batch} is smaller than chunks={chunks}: running {batch} micro-batches of one row",
+                      stacklevel=4)
         chunks = max(batch, 1)
     base, extra = divmod(batch, chunks)
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
 def shape_key(t: torch.Tensor, batch: int) -> tuple:
-    """What a graph traced for ``t`` fixes of its shape: all but the batch, or all of a tensor given whole to every micro-batch."""
+    """What a graph traced for ``t`` fixes of its shape: all but the batch, or all of a tensor given whole to every
+    micro-batch."""
     return tuple(t.shape[1:]) if carries_batch(t, batch) else ("whole", *t.shape)
 
 
 def split(inputs: Sequence[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
     """``[micro_batch][input]``: batch tensors cut on dim 0, others given whole to every micro-batch."""
-    columns = [list(torch.split(t, sizes)) if carries_batch(t, sum(sizes)) and len(sizes) > 1 else [t] * len(sizes) for t in inputs]
+    columns = [list(torch.split(t, sizes)) if carries_batch(t, sum(sizes)) and len(sizes) > 1 else [t] * len(sizes)
+               for t in inputs]
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in sizes]
 
 
 def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | None = None,
           name: str = "output", counts: Sequence[float] | None = None) -> torch.Tensor:
     """Concatenated, each part holding the same number of rows a sample (a (batch * seq, ...) tensor flattened
-    batch-major; ``traced``: as the trace saw it, its other dims too); a 0-dim float (a loss computed inside the
-    model): the micro-batch-size-weighted mean, the sum where ``traced`` says it sums over samples, or the mean weighted by
-    ``counts`` where it is a mean over targets a micro-batch counts (a part over no targets is nan and weighs 0). Parts no
-    concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
+    batch-major; ``traced``: as the trace saw it, its other dims too); a 0-dim float (a loss computed inside the model):
+    the micro-batch-size-weighted mean, the sum where ``traced`` says it sums over samples, or the mean weighted by
+    ``counts`` where it is a mean over targets a micro-batch counts (a part over no targets is nan and weighs 0). Parts
+    no concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
     refused."""
     if len(parts) == 1 or (parts[0].dim() == 0 and not parts[0].is_floating_point()):
         return parts[0]
@@ -58,12 +62,14 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
         shapes = [tuple(p.shape) for p in parts]
         raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
                          + (f" (traced at a batch of {traced.shape[0] // max(k, 1)}: {traced.shape})" if traced else "")
-                         + ": it does not carry the batch in dim 0 alone, so no concatenation of the parts is the plain "
-                         "model's value; return it per sample, compute it outside the model, or run with chunks=1")
+                         + ": it does not carry the batch in dim 0 alone, so no concatenation of the parts is the "
+                           "plain model's value; return it per sample, compute it outside the model, or run with "
+                           "chunks=1")
     return torch.cat(list(parts))
 
 
-def scalar_weights(sizes: list[int], traced: TensorInfo | None = None, counts: Sequence[float] | None = None) -> list[float]:
+def scalar_weights(sizes: list[int], traced: TensorInfo | None = None,
+                   counts: Sequence[float] | None = None) -> list[float]:
     """What each micro-batch's 0-dim output weighs in :func:`merge`: 1 for a sum, its share of the targets for a mean
     over counted targets, its share of the rows otherwise."""
     how = traced.scalar_merge if traced is not None else "mean"
@@ -88,5 +94,6 @@ def split_target(target, sizes: list[int]) -> list:
     """A loss target per micro-batch: tensors (also in tuples, lists, dicts) with the batch in dim 0 are cut
     like the inputs; anything else goes to every micro-batch."""
     leaves, spec = pytree.tree_flatten(target)
-    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor) and carries_batch(t, sum(sizes)) else [t] * len(sizes) for t in leaves]
+    columns = [list(torch.split(t, sizes)) if isinstance(t, torch.Tensor)
+               and carries_batch(t, sum(sizes)) else [t] * len(sizes) for t in leaves]
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(len(sizes))]

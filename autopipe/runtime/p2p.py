@@ -54,7 +54,8 @@ class P2PTransport(Transport):
         # own store clients (own TCP connections): one the watchdog blocks in, one with a short timeout for reports
         self._wstore, self._rstore = self._store.clone(), self._store.clone()
         self._rstore.set_timeout(timedelta(seconds=5))
-        # Clear a stale wake-up before the spec check, which no rank leaves before every rank has entered it: no failure report can be lost.
+        # Clear a stale wake-up before the spec check, which no rank leaves before every rank has entered it: no failure
+        # report can be lost.
         self._store.delete_key(f"wake/{self.rank}")
         mine = spec.digest()
         self._store.set(f"spec/{self.rank}", mine)
@@ -73,8 +74,10 @@ class P2PTransport(Transport):
     def _local(self, stage: int) -> bool:
         return self.rank_of(stage) == self.rank
 
-    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule, runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
-        """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every rank and raised as PipelineError."""
+    def run(self, local: list[dict[str, Any]], sizes: Sequence[int], schedule: Schedule,
+            runners: Callable[[Task], Any], state: Any, loss: Any) -> None:
+        """One step: ``local[i]`` holds micro-batch i's graph inputs by name. Any failure is reported to every rank and
+        raised as PipelineError."""
         if self._failed is not None:
             raise PipelineError(f"pipeline is dead after an earlier failure: {self._failed}")
         if self._remote is not None:
@@ -113,15 +116,18 @@ class P2PTransport(Transport):
             if t.kind == "F":
                 read = [("F", n, i) for n, first in self._first_reader.items() if first == t.stage]
             else:
-                read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad for d in e.dsts if not self._local(d)]
+                read = [("B", e.name, i, d) for e in self.spec.out_of(t.stage) if e.grad
+                        for d in e.dsts if not self._local(d)]
             needs[(t.kind, t.stage, i)] = (k, read)
         peer_sends: dict[int, list] = {q: [] for q in range(self.world) if q != self.rank}
         for q, sends in peer_sends.items():  # as send_outputs and send_input_grads post them on rank q
             for t in schedule.device_order(q):
                 if t.kind == "F":
-                    sends += [("F", e.name, t.micro_batch) for e in self.spec.out_of(t.stage) if any(self._local(d) for d in e.dsts)]
+                    sends += [("F", e.name, t.micro_batch)
+                              for e in self.spec.out_of(t.stage) if any(self._local(d) for d in e.dsts)]
                 elif t.kind == "B":
-                    sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage) if e.grad and self._local(e.src)]
+                    sends += [("B", e.name, t.micro_batch, t.stage) for e in self.spec.into(t.stage) if e.grad
+                              and self._local(e.src)]
         return order, reading, needs, peer_sends
 
     def _receive(self, kind: str, stage: int, i: int) -> None:
@@ -179,7 +185,8 @@ class P2PTransport(Transport):
         grads = []
         for name in self.stages[stage].output_names:
             readers = self._edges[name].dsts if name in self._edges else ()
-            grads.append(sum_grads([self.final_grads[i].get(name) if last else None] + [self.grads[i].get((name, d)) for d in readers]))
+            grads.append(sum_grads([self.final_grads[i].get(name) if last else None] + [self.grads[i].get((name, d))
+                                                                                        for d in readers]))
         return grads
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
@@ -201,7 +208,8 @@ class P2PTransport(Transport):
         """Wait for this rank's sends, then for every rank: a step returns only if it completed everywhere."""
         self._wait(self.sends)
         if self.world > 1:
-            # A barrier cannot say which peer broke it: each rank first marks its step done in the store, so a failed one names the ranks that never got there.
+            # A barrier cannot say which peer broke it: each rank first marks its step done in the store, so a failed
+            # one names the ranks that never got there.
             self._steps += 1
             self._rstore.set(f"done/{self._steps}/{self.rank}", "1")
             try:
@@ -245,7 +253,8 @@ class P2PTransport(Transport):
                 raise self._comm_error(what, peer, err) from err
 
     def _poison(self) -> None:
-        """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each peer blocked on us fails now."""
+        """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each peer
+        blocked on us fails now."""
         with self._poison_lock:
             if self._poisoned or self.world < 2:
                 return
@@ -258,7 +267,8 @@ class P2PTransport(Transport):
             self.group.recv([torch.empty(1)], (self.rank + 1) % self.world, _POISON_TAG).wait(timedelta(milliseconds=1))
 
     def _watch(self) -> None:
-        """Waits in the store until some rank reports a failure (or the store dies), then poisons this rank's context: the main thread's wait fails now."""
+        """Waits in the store until some rank reports a failure (or the store dies), then poisons this rank's context:
+        the main thread's wait fails now."""
         store, key = self._wstore, f"wake/{self.rank}"
         while not self._wd_stop.is_set():
             try:
@@ -284,7 +294,8 @@ class P2PTransport(Transport):
     def _comm_error(self, what: str, peer: int, err: RuntimeError) -> _CommError:
         text = str(err)
         if "Timed out" in text:
-            return _CommError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s: rank {peer} is hung or far too slow")
+            return _CommError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s: rank "
+                              f"{peer} is hung or far too slow")
         who = f"rank {peer}" if peer >= 0 else "a rank"
         return _CommError(f"rank {self.rank}: {what} failed: {who} closed its connections (it died, or failed "
                           f"itself) [{type(err).__name__}: {text.splitlines()[0][:200]}]")

@@ -53,7 +53,8 @@ class Pipeline(torch.nn.Module):
         self._anchors: list[Anchor] = []
         self._anchor_key: tuple | None = None
         self.timeline = Timeline(self.schedule)  # of the last step; printable
-        self.memory = MemoryReport.empty(len(devices) * virtual_stages, checkpoint)  # of the last step, with track_memory=True
+        # of the last step, with track_memory=True
+        self.memory = MemoryReport.empty(len(devices) * virtual_stages, checkpoint)
         cpu_workers = sum(1 for d in devices if d.type == "cpu")
         self.intra_op_threads = intra_op_threads or max(1, (os.cpu_count() or 1) // max(cpu_workers, 1))
         self.workers = [Worker(d, f"autopipe-device{j}", self.intra_op_threads if d.type == "cpu" else None)
@@ -75,7 +76,8 @@ class Pipeline(torch.nn.Module):
     @property
     def compiled(self) -> Compiled:
         if self._current is None:
-            raise RuntimeError("the pipeline compiles on its first call: call it once, or pass example_inputs to autopipe.compile")
+            raise RuntimeError("the pipeline compiles on its first call: call it once, or pass example_inputs to "
+                               "autopipe.compile")
         return self._current
 
     plan = property(lambda self: self.compiled.plan, doc="The Plan of the last call's inputs.")
@@ -108,8 +110,8 @@ class Pipeline(torch.nn.Module):
         if self._anchor_key != key or any(a.stream is not None and a.stream != torch.cuda.current_stream(a.device)
                                            for a in self._anchors):
             devices = list(dict.fromkeys(p.device for p in params))
-            self._anchors = [Anchor([p for p in params if p.device == d], [k for k, p in enumerate(params) if p.device == d])
-                             for d in devices]
+            self._anchors = [Anchor([p for p in params if p.device == d],
+                                    [k for k, p in enumerate(params) if p.device == d]) for d in devices]
             self._anchor_key = key
         return self._anchors
 
@@ -135,8 +137,9 @@ class Pipeline(torch.nn.Module):
         return compiled
 
     def _check_same_kinds(self, compiled: Compiled, args, kwargs) -> None:
-        """A new shape or a different set of keyword arguments re-plans; a tensor argument that became something else, or a tensor given
-        whole to every micro-batch whose dim 0 now equals the batch (or the other way round), is a mistake, named here before anything runs."""
+        """A new shape or a different set of keyword arguments re-plans; a tensor argument that became something else,
+        or a tensor given whole to every micro-batch whose dim 0 now equals the batch (or the other way round), is a
+        mistake, named here before anything runs."""
         signature = compiled.traced.signature
         try:
             now = signature.bind(*args, **kwargs).arguments
@@ -146,7 +149,8 @@ class Pipeline(torch.nn.Module):
         for name, value in now.items():
             was = before.get(name)
             if isinstance(was, torch.Tensor) and value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(f"argument {name!r} must be a tensor (it was one when the pipeline was compiled), got {type(value).__name__}")
+                raise TypeError(f"argument {name!r} must be a tensor (it was one when the pipeline was compiled), got "
+                                f"{type(value).__name__}")
         try:
             flat = compiled.traced.flatten_inputs(now)
         except InputMismatch:
@@ -157,15 +161,18 @@ class Pipeline(torch.nn.Module):
         for name, t, was in zip(compiled.traced.input_names, flat, compiled.traced.batch_inputs):
             if carries_batch(t, batch) != was:
                 raise InputMismatch(
-                    f"argument {name!r} of shape {tuple(t.shape)} {'was cut into micro-batches' if was else 'went whole to every micro-batch'} when "
-                    f"the pipeline was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): autopipe cannot "
-                    f"tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the batch would be cut, and computed wrongly); use "
-                    f"batches of another size than its dim 0, or a new pipeline for these")
+                    f"argument {name!r} of shape {tuple(t.shape)} "
+                    f"{'was cut into micro-batches' if was else 'went whole to every micro-batch'} when the pipeline "
+                    f"was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): "
+                    f"autopipe cannot tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the "
+                    f"batch would be cut, and computed wrongly); use batches of another size than its dim 0, or a new "
+                    f"pipeline for these")
 
     def _key(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         batch = batch_rows(self.model, args, kwargs)
-        shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t)) for t in leaves)
+        shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t))
+                       for t in leaves)
         return (self.model.training, spec, shapes)
 
     def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:

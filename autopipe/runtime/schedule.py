@@ -69,7 +69,8 @@ class Schedule:
     def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> Schedule:
         """All forwards, then all backwards in reverse: stage j runs forward i at clock i + j."""
         backwards = range(chunks - 1, -1, -1) if backward else ()
-        orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards] for j in range(n_stages)]
+        orders = [[Task(j, i, "F") for i in range(chunks)] + [Task(j, i, "B") for i in backwards]
+                  for j in range(n_stages)]
         return cls._pack("gpipe", n_stages, n_stages, chunks, orders)
 
     @classmethod
@@ -82,18 +83,21 @@ class Schedule:
 
     @classmethod
     def interleaved(cls, n_devices: int, virtual_stages: int, chunks: int) -> Schedule:
-        """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches through the device's v stages,
-        backwards the same from the last stage; warm-up (v-1)*per_round + 2*(K-d-1) forwards (`_get_warmup_ops`), then F,B pairs."""
+        """As torch's ScheduleInterleaved1F1B: forwards depth first in rounds of `per_round` micro-batches through the
+        device's v stages, backwards the same from the last stage; warm-up (v-1)*per_round + 2*(K-d-1) forwards
+        (`_get_warmup_ops`), then F,B pairs."""
         K, v, M = n_devices, virtual_stages, chunks
         if K < 1 or M < 1:
             raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
         if v < 2:
-            raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); with one stage per device use '1f1b'")
+            raise ValueError(f"interleaved needs virtual_stages >= 2 stages per device (got {v}); with one stage per "
+                             f"device use '1f1b'")
         if not _interleavable(K, M):
             below = next(m for m in range(M, 0, -1) if _interleavable(K, m))
             above = next(m for m in range(M, M + K + 1) if _interleavable(K, m))
-            raise ValueError(f"interleaved needs chunks to be a multiple of max(1, chunks // n_devices) = {M // K} (got chunks={M}, "
-                             f"n_devices={K}); any multiple of n_devices works: nearest valid chunks are {below} and {above}")
+            raise ValueError(f"interleaved needs chunks to be a multiple of max(1, chunks // n_devices) = {M // K} "
+                             f"(got chunks={M}, n_devices={K}); any multiple of n_devices works: nearest valid chunks "
+                             f"are {below} and {above}")
         per_round, total = M // max(1, M // K), v * M
         mb = [k // (per_round * v) * per_round + k % per_round for k in range(total)]
         orders = [_one_f_one_b([Task((k // per_round) % v * K + d, mb[k], "F") for k in range(total)],
@@ -130,7 +134,8 @@ class Schedule:
 
     @classmethod
     def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-        """By name: 'gpipe' | '1f1b' | 'zb-h1' (a stage per device) | 'interleaved' (virtual_stages >= 2) | 'zbv' (2)."""
+        """By name: 'gpipe' | '1f1b' | 'zb-h1' (a stage per device) | 'interleaved' (virtual_stages >= 2) | 'zbv'
+        (2)."""
         if name not in NAMES:
             raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
         if name == "interleaved":
@@ -199,7 +204,8 @@ class Schedule:
     @property
     def bubble_fraction(self) -> float:
         """Idle share of the device-cycles: (K-1)/(M+K-1) for GPipe and 1F1B, (K-1)/(v*M+K-1) interleaved (M >= K).
-        Cycles are unit tasks: F = B (fused) for those, F = B = W for the zero-bubble ones; ``simulate`` weighs others."""
+        Cycles are unit tasks: F = B (fused) for those, F = B = W for the zero-bubble ones; ``simulate`` weighs
+        others."""
         return 1 - sum(len(c) for c in self.cycles) / (len(self.cycles) * self.n_devices)
 
     def simulate(self, duration: Callable[[Task], float]) -> tuple[float, float]:
@@ -242,7 +248,8 @@ class Schedule:
         for t, c in when.items():
             for p in _deps(t, self.n_stages):
                 if when[p] >= c:
-                    raise ValueError(f"dependency broken: {t!r} at cycle {c} does not come after {p!r} at cycle {when[p]}")
+                    raise ValueError(f"dependency broken: {t!r} at cycle {c} does not come after {p!r} at cycle "
+                                     f"{when[p]}")
 
     def __str__(self) -> str:
         v = self.virtual_stages
@@ -252,8 +259,8 @@ class Schedule:
         what = "forward / input gradients / parameter gradients" if self.splits_backward else "forward / backward"
         cells = " / ".join(f"{k}<i>{'.<s>' if v > 1 else ''}" for k in self.kinds)
         note = f"cells: {cells} = {what} of micro-batch i{' through stage s' if v > 1 else ''}, . = idle"
-        rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, M={self.chunks} micro-batches, "
-                f"{len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", note,
+        rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, M={self.chunks} "
+                f"micro-batches, {len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", note,
                 "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
         rows += [f"device {d:<2} " + " ".join(f"{cell:>{width}}" for cell in row) for d, row in enumerate(grid)]
         return "\n".join(rows)

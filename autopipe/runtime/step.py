@@ -5,7 +5,7 @@ stages)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,8 +19,6 @@ from .schedule import Schedule, Task
 from .task import StageRunner, StepState, accumulate_grads, sum_grads
 from .threads import Mailbox, run_on_workers
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
 
 @dataclass
 class Program:
@@ -31,7 +29,8 @@ class Program:
     stages: list                # passes.codegen.Stage
     runners: list[StageRunner] = field(init=False)
     readers: dict[str, int] = field(init=False)  # how many gradients a value gets: its consumer stages, the output
-    counts: torch.fx.GraphModule | None = field(init=False)  # a micro-batch's count of targets per output merged by count
+    # a micro-batch's count of targets per output merged by count
+    counts: torch.fx.GraphModule | None = field(init=False)
 
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
@@ -93,7 +92,8 @@ class _PipelineFunction(torch.autograd.Function):
         with torch.enable_grad():  # once here, not in every task (a Function's forward runs without grad)
             outputs = run.forward()
         ctx.run = run
-        ctx.set_materialize_grads(False)  # an output the loss does not read gets None, so its parameters get None, not zeros
+        # an output the loss does not read gets None, so its parameters get None, not zeros
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
         return tuple(outputs)
 
@@ -101,9 +101,10 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         run = ctx.run
         if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only for create_graph=True
-            raise RuntimeError("a backward with create_graph=True through the pipeline (a gradient penalty, MAML, a Hessian-vector product) is not "
-                               "supported: the stages' gradients carry no graph of their own, so a second backward would miss them; compute such "
-                               "a term on the plain model")
+            raise RuntimeError("a backward with create_graph=True through the pipeline (a gradient penalty, MAML, a "
+                               "Hessian-vector product) is not supported: the stages' gradients carry no graph of "
+                               "their own, so a second backward would miss them; compute such a term on the plain "
+                               "model")
         if run is None:
             raise RuntimeError("the pipeline's backward can run once per forward; call the pipeline again "
                                "(retain_graph=True is not supported)")
@@ -161,7 +162,8 @@ class Anchor:
 class _Run:
     """One mini-batch through the pipeline."""
 
-    def __init__(self, pipe: "Pipeline", compiled: Compiled, flat: list[torch.Tensor], sizes: list[int], training: bool):
+    def __init__(self, pipe: torch.nn.Module, compiled: Compiled, flat: list[torch.Tensor], sizes: list[int],
+                 training: bool):
         self.pipe = pipe
         self.compiled = compiled
         self.plan = compiled.plan
@@ -184,7 +186,8 @@ class _Run:
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
             r.start_step(self.state)
-        vars(pipe).update(timeline=self.state.timeline, memory=self.state.memory or pipe.memory)  # not nn.Module's __setattr__: ~3 us each
+        # not nn.Module's __setattr__: ~3 us each
+        vars(pipe).update(timeline=self.state.timeline, memory=self.state.memory or pipe.memory)
         # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
         # its tasks, with the same numerics and no hand-off between threads.
         workers = pipe.workers
@@ -215,7 +218,8 @@ class _Run:
     def _note_peaks(self) -> None:
         """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
         self.peaks_before = {} if self.state.memory is None else \
-            {s.device: torch.cuda.max_memory_allocated(s.device) for s in self.compiled.stages if s.device.type == "cuda"}
+            {s.device: torch.cuda.max_memory_allocated(s.device)
+             for s in self.compiled.stages if s.device.type == "cuda"}
 
     def forward(self) -> list[torch.Tensor]:
         self._note_peaks()
@@ -234,8 +238,8 @@ class _Run:
         return [self.mailbox.value(i, name) for i in range(self.chunks)]
 
     def backward(self, grad_outputs: Sequence[torch.Tensor | None]):
-        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name), self._counts(name))
-                 for name, grad in zip(self.plan.graph_outputs, grad_outputs)]
+        parts = [microbatch.split_grad(grad, self._parts(name), self.sizes, self.plan.tensors.get(name),
+                                       self._counts(name)) for name, grad in zip(self.plan.graph_outputs, grad_outputs)]
         for i in range(self.chunks):
             self.mailbox.send_final_grads(i, [p[i] for p in parts])
         # The autograd engine runs CUDA backward on one thread per device: issuing each stage's

@@ -142,9 +142,9 @@ class StepState:
               deferred_model: torch.nn.Module | None, track_memory: bool, devices=()) -> "StepState":
         seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
         return cls(training=training, random=random, checkpoint=checkpoint if training else "never",
-                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(devices),
-                   timeline=Timeline(schedule),
-                   memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)], checkpoint) if track_memory else None,
+                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(devices), timeline=Timeline(schedule),
+                   memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)],
+                                       checkpoint) if track_memory else None,
                    deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None,
                    split_backward=schedule.splits_backward)
 
@@ -200,7 +200,7 @@ class StageStep:
     one's backward (two views of a batch, one loss)."""
 
     trainable: list[torch.nn.Parameter]   # the parameters with requires_grad as the step started
-    wrt_params: list[torch.Tensor]        # what autograd differentiates for them: each, its replica or a hook-free alias
+    wrt_params: list[torch.Tensor]  # what autograd differentiates for them: each, its replica or a hook-free alias
     alias_slots: list
     saved: dict[int, _Saved] = field(default_factory=dict)
     weights: dict[int, Any] = field(default_factory=dict)  # B's result for W: a WeightWork, the gradients, or None
@@ -258,7 +258,8 @@ class StageRunner:
         # A parameter with a gradient hook: the stage differentiates a hook-free alias (same storage), so the hook
         # runs once, on the step's whole gradient (the engine for pipe(x), accumulate_grads for pipe.step).
         # (map/compress: every parameter is looked at every step, in C loops)
-        hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks and id(p) in self._slots_of} \
+        hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks
+                  and id(p) in self._slots_of} \
             if any(map(attrgetter("_backward_hooks"), self.params)) else {}
         alias_slots = [(table, name, p, hooked[id(p)]) for p in self.params if id(p) in hooked
                        for table, name in self._slots_of[id(p)]] if hooked else []
@@ -332,7 +333,8 @@ class StageRunner:
         if self.generator is not None:
             self.generator.manual_seed(task_seed(step.seed, stage.index, i))
             kwargs["generator"] = self.generator
-        if a.plain and not (a.inference or self._replica_slots or step.stages[id(self)].alias_slots or step.deferred or step.memory) \
+        if a.plain and not (a.inference or self._replica_slots or step.stages[id(self)].alias_slots or step.deferred
+                            or step.memory) \
                 and torch.is_grad_enabled() == step.training:  # nothing to enter: a task's least work
             outputs = stage(*inputs, **kwargs)
             step.timeline.end(begun, stage.index, i, "forward" if first else "recompute", stage.device)

@@ -185,7 +185,8 @@ class Mailbox(Transport):
         """Wake every task waiting on a value that will never come."""
         with self.lock:
             self.aborted = True
-            pending = [(table, key) for table in (self.values, self.grads) for key, slot in table.items() if not slot.done]
+            pending = [(table, key) for table in (self.values, self.grads)
+                       for key, slot in table.items() if not slot.done]
         for table, key in pending:
             self._set(table, key, error=StageFailure("another task of this step failed"))
 

@@ -58,7 +58,8 @@ class Timeline:
             for device, _, stage, micro_batch, kind, begin, end in pending:
                 end.synchronize()
                 host, first = anchors[device]
-                self._events.append(Event(stage, micro_batch, kind, host + first.elapsed_time(begin) / 1e3, host + first.elapsed_time(end) / 1e3))
+                self._events.append(Event(stage, micro_batch, kind, host + first.elapsed_time(begin) / 1e3,
+                                          host + first.elapsed_time(end) / 1e3))
         return self._events
 
     @property
@@ -78,7 +79,8 @@ class Timeline:
     def ran(self, device: int) -> list[str]:
         """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>, W<i>; R<i> a recompute)."""
         suffix = self.schedule.virtual_stages > 1
-        return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "") for e in self.device_events(device)]
+        return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "")
+                for e in self.device_events(device)]
 
     @property
     def measured_bubble(self) -> float:
@@ -101,11 +103,12 @@ class Timeline:
         if not self.events:
             return f"Timeline: no step has run yet ({s.name}, K={s.n_devices}, M={s.chunks})"
         t0, span = self.start, self.makespan or 1e-9
-        rows = [f"Timeline of the last step: {s.name} schedule, {s.n_devices} devices x {s.chunks} micro-batches"
-                f"{f', {s.virtual_stages} stages per device' if s.virtual_stages > 1 else ''}, {1e3 * self.makespan:.1f} ms",
-                f"  a task is drawn as F (forward), R (recompute), B (backward)"
-                f"{', W (parameter gradients)' if s.splits_backward else ''} then its micro-batch (mod 10) repeated over "
-                "its time; '.' idle"]
+        rows = [f"Timeline of the last step: {s.name} schedule, {s.n_devices} devices x {s.chunks} "
+                f"micro-batches{f', {s.virtual_stages} stages per device' if s.virtual_stages > 1 else ''}, "
+                f"{1e3 * self.makespan:.1f} ms",
+                f"  a task is drawn as F (forward), R (recompute), B "
+                f"(backward){', W (parameter gradients)' if s.splits_backward else ''} then its micro-batch (mod 10) "
+                f"repeated over its time; '.' idle"]
         for d in range(s.n_devices):
             cells = ["."] * width
             for e in self.device_events(d):
@@ -116,7 +119,8 @@ class Timeline:
         for d in range(s.n_devices):
             ran = self.ran(d)
             rows.append(f"device {d:<2} ran: {' '.join(ran[:48])}{' ...' if len(ran) > 48 else ''}")
-        rows.append(f"bubble: measured {self.measured_bubble:.3f}, the schedule's {self.predicted_bubble:.3f}; busy max/mean {self.measured_imbalance:.3f}")
+        rows.append(f"bubble: measured {self.measured_bubble:.3f}, the schedule's {self.predicted_bubble:.3f}; busy "
+                    f"max/mean {self.measured_imbalance:.3f}")
         return "\n".join(rows)
 
     __repr__ = __str__
@@ -127,8 +131,10 @@ class Timeline:
         events = [{"name": f"{e.kind} {e.micro_batch}", "cat": e.kind, "ph": "X", "ts": (e.start - t0) * 1e6,
                    "dur": (e.end - e.start) * 1e6, "pid": device_of(e.stage), "tid": e.stage,
                    "args": {"stage": e.stage, "micro_batch": e.micro_batch}} for e in self.events]
-        names = [{"name": "thread_name", "ph": "M", "pid": device_of(s), "tid": s, "args": {"name": f"stage {s}"}} for s in range(self.schedule.n_stages)]
-        names += [{"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}} for d in range(self.schedule.n_devices)]
+        names = [{"name": "thread_name", "ph": "M", "pid": device_of(s), "tid": s, "args": {"name": f"stage {s}"}}
+                 for s in range(self.schedule.n_stages)]
+        names += [{"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}}
+                  for d in range(self.schedule.n_devices)]
         with open(path, "w") as f:
             json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
         return os.fspath(path)

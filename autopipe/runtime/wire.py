@@ -1,5 +1,6 @@
-"""What travels between ranks, read from the Plan, so identical on every rank (docs/architecture.md, "Under torchrun"): a step exchanges
-payload only, and a hash of the spec compared once at start-up catches a mismatch that would otherwise surface as a size error mid-step."""
+"""What travels between ranks, read from the Plan, so identical on every rank (docs/architecture.md, "Under torchrun"):
+a step exchanges payload only, and a hash of the spec compared once at start-up catches a mismatch that would otherwise
+surface as a size error mid-step."""
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,8 @@ class Edge:
 
     def empty(self, rows: int, device: torch.device | None = None, pin_memory: bool = False) -> torch.Tensor:
         shape, k = self.info.shape, self.info.rows_per_sample  # a micro-batch of ``rows`` samples
-        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype, device=device, pin_memory=pin_memory)
+        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype, device=device,
+                           pin_memory=pin_memory)
 
     def to_wire(self, value: Any) -> torch.Tensor:
         if self.info.kind == "tensor":
@@ -48,8 +50,8 @@ class WireSpec:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> "WireSpec":
-        """Each value to the stages that read it; a model output made before the last stage also goes to the last stage, where the loss runs.
-        Graph inputs do not travel: every rank gets the call's arguments."""
+        """Each value to the stages that read it; a model output made before the last stage also goes to the last stage,
+        where the loss runs. Graph inputs do not travel: every rank gets the call's arguments."""
         last = plan.n_stages - 1
         edges = []
         for name, info in plan.tensors.items():

@@ -1,0 +1,101 @@
+"""The layout docs/architecture.md promises (issue 33): no import cycle among the modules of autopipe/ and passes/
+(every import counts, also one inside a function or under TYPE_CHECKING), no function over 100 lines, and every
+module named in the reading order."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"autopipe": ROOT / "autopipe", "autopipe.passes": ROOT / "passes"}  # pyproject's package-dir
+LONGEST_FUNCTION = 100
+
+
+def modules() -> dict[str, Path]:
+    """Every module's dotted name -> its file; a package's name -> its __init__.py."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The known modules that ``name`` imports: ``from x import y`` imports x.y where that is a module, else x."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # import a.b.c where a.b is the module we know
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+            # importing a.b.c runs a.b's __init__ first: a package the importer is not inside (nor the facade, autopipe)
+            while (target := target.rpartition(".")[0]) and target != "autopipe" and not name.startswith(target + "."):
+                found.add(target)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    known = modules()
+    graph = {name: imports(name, path, set(known)) for name, path in known.items()}
+    assert graph["autopipe.passes.partition"] >= {"autopipe.passes.cost", "autopipe.passes.cut_solver"}  # the parse
+    assert cycles(graph) == []
+
+
+def test_no_function_over_100_lines():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in modules().values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+    assert long == []
+
+
+def test_architecture_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = [str(path.relative_to(ROOT)) for path in modules().values() if f"`{path.relative_to(ROOT)}`" not in text]
+    assert unnamed == []
