@@ -165,11 +165,11 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         with progress.run("codegen") as report:
             stages = codegen(traced.graph_module, plan)
             report["detail"] = f"{len(stages)} stage modules"
+        if after_codegen is not None:
+            after_codegen(stages)
         return Program(traced=traced, plan=plan, stages=stages)
 
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
-        if after_codegen is not None:
-            after_codegen(stages)
     with preserved_global_state(), torch.inference_mode(False):
         n_params = sum(p.numel() for p in model.parameters())
         progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} "

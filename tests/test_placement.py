@@ -178,3 +178,13 @@ def test_export_route_models_of_the_cuda_tests_are_placed(name):
     assert program.traced.route == "export"
     assert all("stage_device" in s.code for s in program.stages)  # export wrote device=cpu; the stages read their own
     assert_outputs_like_the_plain_model(model, args, kwargs, outputs)
+
+
+def test_run_passes_hands_the_stages_to_after_codegen_where_compile_places_them():
+    """compile places the stages' tensors in run_passes' after_codegen; a misplaced call (after the return, as at
+    2991c09) never ran it, so on a GPU no parameter moved, while every CPU test passed."""
+    torch.manual_seed(0)
+    model, (x,) = build("mlp"), random_inputs("mlp", 4, torch.Generator().manual_seed(0))[0]
+    handed = []
+    compiled = run_passes(model, (x,), {}, Options.make([torch.device("cpu")] * 2, chunks=2), after_codegen=handed.append)
+    assert handed == [compiled.main.stages] and len(handed[0]) == 2
