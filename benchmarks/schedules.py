@@ -115,18 +115,6 @@ def worker_device() -> int:
     return int(name.removeprefix("autopipe-device")) if name.startswith("autopipe-device") else 0
 
 
-def held(timeline, stage: int) -> int:
-    """Most micro-batches whose forward ran and whose graph was not yet freed (by B, or by W where it runs apart),
-    on one stage, as it ran."""
-    events = sorted((e for e in timeline.events if e.stage == stage), key=lambda e: e.start)
-    last = "weight" if any(e.kind == "weight" for e in events) else "backward"
-    live = peak = 0
-    for e in events:
-        live += 1 if e.kind == "forward" else -1 if e.kind == last else 0
-        peak = max(peak, live)
-    return peak
-
-
 def grad_error(model: nn.Module, reference: dict[str, torch.Tensor], names=None) -> float:
     mine = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None and (names is None or n in names)]
     scale = max(reference[n].abs().max().item() for n, _ in mine)
@@ -169,7 +157,7 @@ def in_process(args) -> dict:
         with SavedPeak(models[name], worker_device) as peak:
             pipe.step(x, target=y, loss_fn=F.mse_loss)
         results[name] = dict(seconds=t.median(name), peak=[peak.peak[d] for d in range(K)],
-                             held=held(pipe.timeline, 0), error=grad_error(models[name], reference),
+                             held=pipe.timeline.held(0), error=grad_error(models[name], reference),
                              stages=[pipe.schedule.stages_on(d) for d in range(K)])
         pipe.close()
     return results
@@ -264,7 +252,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
             dist.barrier()
             results[k] = dict(seconds=statistics.median(times[k]), times=times[k], peak=peak.peak[0],
                               error=grad_error(models[k], reference, names[k]),
-                              held=held(pipes[k[1]].timeline, 0) if k[0] == "autopipe" and rank == 0 else None)
+                              held=pipes[k[1]].timeline.held(0) if k[0] == "autopipe" and rank == 0 else None)
         queue.put((rank, results))
         for pipe in pipes.values():
             pipe.close()

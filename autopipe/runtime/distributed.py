@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import microbatch
-from .loss import Loss
+from .loss import Loss, scaled
 from .p2p import P2PTransport, PipelineError
 from .pipeline import Pipeline
 from .step import model_loss
@@ -232,7 +232,7 @@ class DistributedPipeline(torch.nn.Module):
             state.deferred.commit()
         scale = self._grad_scale(loss) if loss_fn is not None else None
         for runner in runners.values():  # in stage order: tied weights on one rank sum in a fixed order
-            accumulate_grads([(p, g if g is None or scale is None else g * scale) for p, g in runner.take_grads(state)])
+            accumulate_grads(scaled(runner.take_grads(state), scale))
         self._reduce_gradients()
         return loss.total if loss is not None else None
 

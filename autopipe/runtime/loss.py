@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from . import microbatch
+
 if TYPE_CHECKING:
     from autopipe.plan import Plan
 
@@ -51,7 +53,7 @@ class Loss:
             counts = [_count_targets(t, *how) if isinstance(t, torch.Tensor) and not t.is_floating_point() else None
                       for t in self.targets]
             if None not in counts:
-                self.target_shares = _shares(counts)
+                self.target_shares = microbatch.count_shares(counts, self.sizes)
 
     def run(self, i: int, transport: _Finals) -> None:
         leaves = [_leaf(v) for v in transport.finals(i)]  # the loss's graph starts at the model's outputs
@@ -93,10 +95,9 @@ class Loss:
         k = next((k for k, v in enumerate(leaves) if v is loss), None)  # the model's own loss, as model_loss returns it
         name = self.plan.graph_outputs[k] if k is not None else None
         info = self.plan.tensors.get(name) if name is not None else None
-        if info is not None and info.scalar_merge == "sum":
-            return loss, 1.0
-        if info is not None and info.scalar_merge == "count":
-            return loss, _shares([c[name] for c in self.output_counts])[i]
+        if info is not None:  # weighted as pipe(x) merges that output
+            counts = [c[name] for c in self.output_counts] if info.scalar_merge == "count" else None
+            return loss, microbatch.scalar_weights(list(self.sizes), info, counts)[i]
         if seen.uneven:
             raise ValueError(_uneven_message(seen.uneven))
         return loss, self.sizes[i] / sum(self.sizes)
@@ -120,6 +121,12 @@ class Loss:
         return total * self.grad_scale if self.counts else total
 
 
+def scaled(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]],
+           scale: float | None) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    """A step's (parameter, gradient) pairs multiplied by ``scale`` (Loss.grad_scale), where there is one."""
+    return pairs if scale is None else [(p, g if g is None else g * scale) for p, g in pairs]
+
+
 _MIXED_RETURNS = "pipe.step: loss_fn returned (sum, count) for some micro-batches and a single loss for others"
 
 
@@ -132,11 +139,6 @@ def _check_scalar(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(f"pipe.step needs loss_fn to return a scalar tensor, or (sum, count) (got "
                         f"{type(loss).__name__} {getattr(loss, 'shape', '')})")
-
-
-def _shares(counts: Sequence[float]) -> list[float]:
-    total = sum(counts)
-    return [c / total if total else 1.0 / len(counts) for c in counts]
 
 
 def _target_mean(fn: Any) -> tuple[int, torch.Tensor | None] | None:

@@ -75,9 +75,14 @@ def scalar_weights(sizes: list[int], traced: TensorInfo | None = None,
     how = traced.scalar_merge if traced is not None else "mean"
     if how == "sum":
         return [1.0] * len(sizes)
-    if how == "count" and counts is not None and sum(counts):
-        return [c / sum(counts) for c in counts]
-    return [s / sum(sizes) for s in sizes]
+    return count_shares(counts, sizes) if how == "count" and counts is not None else [s / sum(sizes) for s in sizes]
+
+
+def count_shares(counts: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    """Each micro-batch's share of the targets a mean is over; its share of the rows where there is no target at all
+    (every part is nan then, as the plain model's mean)."""
+    total = sum(counts)
+    return [c / total for c in counts] if total else [s / sum(sizes) for s in sizes]
 
 
 def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: list[int],

@@ -14,7 +14,7 @@ from autopipe.passes.trace import carries_batch
 
 from . import microbatch
 from .executor import run_tasks
-from .loss import Loss
+from .loss import Loss, scaled
 from .schedule import Schedule, Task
 from .task import StageRunner, StepState, accumulate_grads, sum_grads
 from .threads import Mailbox, run_on_workers
@@ -265,8 +265,7 @@ class _Run:
         self._cuda_peaks()
         if self.state.deferred is not None:
             self.state.deferred.commit()
-        grads, scale = self._param_grads(), loss.grad_scale
-        accumulate_grads([(p, g if g is None or scale is None else g * scale) for p, g in zip(self.params, grads)])
+        accumulate_grads(scaled(list(zip(self.params, self._param_grads())), loss.grad_scale))
         return loss.total
 
     def _input_grads(self) -> list[torch.Tensor | None]:

@@ -82,6 +82,17 @@ class Timeline:
         return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "")
                 for e in self.device_events(device)]
 
+    def held(self, stage: int) -> int:
+        """Most micro-batches whose forward ran on ``stage`` and whose graph was not yet freed, as it ran: freed by
+        the backward, or by W where the stage's backward is split (Schedule.max_in_flight's count, measured)."""
+        events = sorted((e for e in self.events if e.stage == stage), key=lambda e: e.start)
+        last = "weight" if any(e.kind == "weight" for e in events) else "backward"
+        live = peak = 0
+        for e in events:
+            live += 1 if e.kind == "forward" else -1 if e.kind == last else 0
+            peak = max(peak, live)
+        return peak
+
     @property
     def measured_bubble(self) -> float:
         """Idle share of device time between the first task's start and the last task's end."""
