@@ -22,6 +22,7 @@ from autopipe.passes.partition import NoFeasiblePlan
 from autopipe.passes.trace import fake_errors_unlogged
 from autopipe.plan import Plan
 from autopipe.plan import human_bytes as _human
+from autopipe.runtime.cuda_graphs import graph_slots
 from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, stages_per_device
 from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
 
@@ -151,6 +152,8 @@ class MemoryPrediction:
     in_flight: int              # Schedule.max_in_flight(stage)
     kept_all: int               # kept bytes summed over all micro-batches: what pipe.memory's `kept` counts
     formula: str                # the kept term, with its numbers
+    graph_slots: int = 0        # cuda_graphs=True, a captured stage: (forward, backward) pairs it replays into at once
+    graph_bytes: int = 0        # their static memory: graph_slots x one slot's bytes
 
     @property
     def activations_peak(self) -> int:  # what pipe.memory's `peak` measures
@@ -158,7 +161,7 @@ class MemoryPrediction:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.activations_peak
+        return self.params + self.grads + self.optimizer_state + self.activations_peak + self.graph_bytes
 
 
 class PredictedMemory(list):
@@ -184,11 +187,19 @@ class PredictedMemory(list):
                    f"runs apart holds a micro-batch's activations (recomputed or not) and the gradients B kept for W "
                    f"from B until W\nrecompute = activations/M of one recomputed micro-batch, held while its backward "
                    f"runs\nactivations = what autograd saves in one forward of the stage, plus inputs no op saves")
+        graphs = any(p.graph_slots for p in self)
+        if graphs:
+            formula += ("\ngraphs = slots x (activations + outputs + output and input gradients)/M + slots x parameter "
+                        "gradients: each micro-batch a captured stage holds at once has its own captured forward and "
+                        "backward in a memory pool of its own (runtime/cuda_graphs.py); a recomputed micro-batch keeps "
+                        "its inputs outside them (kept) and is recomputed inside a slot")
         rows = [[p.stage, p.device, _human(p.params), _human(p.grads), _human(p.optimizer_state), p.in_flight,
-                 _human(p.kept_activations), _human(p.recompute_peak), _human(p.total), p.formula] for p in self]
+                 _human(p.kept_activations), _human(p.recompute_peak),
+                 *([f"{p.graph_slots} x {_human(p.graph_bytes / p.graph_slots)}" if p.graph_slots else "eager"]
+                   if graphs else []), _human(p.total), p.formula] for p in self]
         table = tabulate(rows,
                          headers=["stage", "device", "params", "grads", "optimizer", "in flight", "kept", "recompute",
-                                  "total", "kept ="])
+                                  *(["graphs"] if graphs else []), "total", "kept ="])
         head = (f"Predicted memory: {self.schedule} (v={self.virtual_stages}), checkpoint={self.checkpoint!r}, "
                 f"M={self.chunks} micro-batches on {self.n_devices} device(s)")
         devices = "per device: " + ", ".join(f"{d}: {_human(b)}" for d, b in enumerate(self.per_device()))
@@ -231,11 +242,41 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
                                "kept gradients": stash[0]})
         recompute = 0.0 if split else max((a for a, r in zip(act, recomputed) if r), default=0.0)  # split: in `peak`
         grads = sum(costed.tensor_bytes.get(p, 0) for p in s.params if p in trainable)
+        slots = slot_bytes = 0
+        if plan.cuda_graphs is not None and plan.cuda_graphs.captured(s.index):
+            slots = graph_slots(schedule.stage_order(s.index), recomputed)
+            slot_bytes = _slot_bytes(plan, s, received, activations) * fractions[0] + grads
+            held = _recomputed_in_flight(schedule.stage_order(s.index), recomputed)
+            peak, recompute = held * (inputs * fractions[0] + fixed), 0.0
+            formula = f"{held} x inputs/M ({_human(inputs / n + fixed)}), recomputed" if held else "0"
         stages.append(MemoryPrediction(s.index, schedule.device_of(s.index), s.param_bytes, grads,
                                        OPTIMIZER_STATE[optimizer] * grads, round(peak), round(recompute),
-                                       schedule.max_in_flight(s.index), round(sum(kept)), formula))
+                                       schedule.max_in_flight(s.index), round(sum(kept)), formula, slots,
+                                       round(slots * slot_bytes)))
     return PredictedMemory(stages, schedule=schedule_name, checkpoint=checkpoint, chunks=chunks, optimizer=optimizer,
                            virtual_stages=virtual_stages, n_devices=schedule.n_devices, bubble=schedule.bubble_fraction)
+
+
+def _slot_bytes(plan: Plan, stage: Any, received: list, activations: float) -> float:
+    """One graph slot of ``stage`` at the whole batch, but for the parameter gradients each slot's backward writes into
+    its own pool (the caller scales this to a micro-batch and adds them): saved activations (with the static inputs),
+    static outputs and their gradients, the input gradients."""
+    outputs = [plan.tensors[n] for n in stage.outputs if n in plan.tensors and plan.tensors[n].kind == "tensor"]
+    floating = lambda t: t.dtype.is_floating_point or t.dtype.is_complex
+    per_batch = activations + sum(t.nbytes * (1 + floating(t)) for t in outputs) + sum(
+        t.nbytes for _, t in received if t.kind == "tensor" and t.producer >= 0 and floating(t))
+    return per_batch
+
+
+def _recomputed_in_flight(order: list, recomputed: list[bool]) -> int:
+    """Most recomputed micro-batches whose forward ran and whose backward did not: their inputs are kept outside the
+    graphs."""
+    live = peak = 0
+    for t in order:
+        if recomputed[t.micro_batch] and t.kind in "FB":
+            live += 1 if t.kind == "F" else -1
+            peak = max(peak, live)
+    return peak
 
 
 def _needs_input_grads(received: list) -> bool:

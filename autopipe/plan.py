@@ -68,6 +68,58 @@ class StagePlan:
     cost: float                   # in the units of the balance objective
 
 
+@dataclass(frozen=True)
+class CaptureBlocker:
+    """Why a stage's graph cannot be captured as a CUDA graph: the node, its op, where it is in the user's code."""
+
+    node: str
+    op: str
+    where: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.op} ({self.node}) at {self.where}: {self.why}"
+
+
+@dataclass(frozen=True)
+class StageCapture:
+    """One stage's verdict: captured (forward, backward and recompute replayed as CUDA graphs) or run eagerly."""
+
+    stage: int
+    blockers: tuple[CaptureBlocker, ...] = ()
+
+    @property
+    def captured(self) -> bool:
+        return not self.blockers
+
+
+@dataclass
+class CaptureReport:
+    """``cuda_graphs=True``: which stages replay as CUDA graphs and, for each one that runs eagerly, why
+    (passes/graph_capture.py; assumptions in its docstring)."""
+
+    stages: list[StageCapture]
+    assumptions: tuple[str, ...] = ()
+
+    def captured(self, stage: int) -> bool:
+        return self.stages[stage].captured
+
+    def __str__(self) -> str:
+        lines = [f"CUDA graphs: {sum(s.captured for s in self.stages)} of {len(self.stages)} stages captured"]
+        for s in self.stages:
+            if s.captured:
+                lines.append(f"  stage {s.stage}: captured (forward, backward and recompute replayed)")
+                continue
+            lines.append(f"  stage {s.stage}: runs eagerly: {s.blockers[0]}")
+            lines += [f"    also {b}" for b in s.blockers[1:4]]
+            if len(s.blockers) > 4:
+                lines.append(f"    and {len(s.blockers) - 4} more")
+        lines += [f"  assumed: {a}" for a in self.assumptions]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
 @dataclass
 class Plan:
     stages: list[StagePlan]
@@ -87,6 +139,7 @@ class Plan:
     pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
     memory: Any = None    # autopipe.memory_model.PredictedMemory: each stage's predicted bytes
     choice: Any = None    # autopipe.memory_model.AutoChoice, when chunks/schedule/checkpoint were "auto"
+    cuda_graphs: CaptureReport | None = None  # cuda_graphs=True: each stage captured or eager, and why
 
     @property
     def n_stages(self) -> int:
@@ -152,7 +205,7 @@ class Plan:
         if self.pass_seconds:
             passes = ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items())
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: {passes}")
-        lines += [str(x) for x in (self.memory, self.choice) if x is not None]
+        lines += [str(x) for x in (self.cuda_graphs, self.memory, self.choice) if x is not None]
         lines.extend(f"note: {n}" for n in self.notes + self.across_micro_batches)
         return "\n".join(lines)
 

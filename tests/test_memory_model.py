@@ -381,3 +381,52 @@ def test_auto_weighs_the_zero_bubble_schedules_and_plans_zbvs_v():
     assert zbv.choice.schedule == "zbv" and zbv.n_stages == 4 and zbv.memory.virtual_stages == 2
     assert [p.device for p in zbv.memory] == [0, 1, 1, 0]
     assert "->" in zbv.choice.table()  # the chosen row is marked after the V re-plan too
+
+
+# -- cuda_graphs=True: each captured stage's graph slots ---------------------------------------------------------
+
+def _graphs_plan(schedule="gpipe", checkpoint="never", **options):
+    torch.manual_seed(0)
+    return autopipe.plan(MLP(), torch.randn(16, 8), devices=2, chunks=4, schedule=schedule, checkpoint=checkpoint,
+                         cuda_graphs=True, **options)
+
+
+@pytest.mark.parametrize("schedule, checkpoint, slots", [("gpipe", "never", [4, 4]), ("1f1b", "never", [2, 1]),
+                                                         ("gpipe", "except_last", [1, 1]),
+                                                         ("1f1b", "always", [1, 1])])
+def test_graph_slots_follow_the_schedule(schedule, checkpoint, slots):
+    """A kept micro-batch holds a slot from F to B; a recomputed one only while it is recomputed and backwarded."""
+    memory = _graphs_plan(schedule, checkpoint).memory
+    assert [p.graph_slots for p in memory] == slots
+
+
+def test_a_graph_slot_holds_a_micro_batch_and_the_parameter_gradients():
+    plan = _graphs_plan()
+    eager = autopipe.plan(MLP(), torch.randn(16, 8), devices=2, chunks=4, checkpoint="never").memory
+    for p, e, s in zip(plan.memory, eager, plan.stages):
+        outputs = [plan.tensors[n] for n in s.outputs]
+        received = [plan.tensors[n] for n in s.inputs if plan.tensors[n].producer >= 0]
+        slot = (e.kept_all + sum(2 * t.nbytes for t in outputs) + sum(t.nbytes for t in received)) / 4 + p.grads
+        assert p.graph_bytes == pytest.approx(p.graph_slots * slot, abs=4)
+        assert p.kept_activations == 0 and p.recompute_peak == 0  # all inside the slots
+        assert p.total == p.params + p.grads + p.optimizer_state + p.graph_bytes
+    assert "graphs = slots x" in str(plan.memory) and "4 x " in str(plan.memory)
+
+
+def test_recomputed_inputs_stay_outside_the_graphs():
+    """GPipe, except_last: micro-batches 0-2 wait for their backward as their inputs, the last inside its slot."""
+    plan = _graphs_plan("gpipe", "except_last")
+    inputs = [sum(plan.tensors[n].nbytes for n in s.inputs) / 4 for s in plan.stages]
+    assert [p.kept_activations for p in plan.memory] == [3 * b for b in inputs]
+
+
+def test_memory_cap_holds_with_graphs_on():
+    eager_peak = autopipe.plan(MLP(), torch.randn(16, 8), devices=2, chunks=4, checkpoint="never").memory.peak
+    graphs_peak = _graphs_plan().memory.peak
+    assert graphs_peak > eager_peak
+    cap = (eager_peak + graphs_peak) / 2
+    with pytest.raises(ValueError, match="cuda_graphs=True: device .* over memory_cap"):
+        _graphs_plan(memory_cap=cap)
+    chosen = autopipe.plan(MLP(), torch.randn(16, 8), devices=2, chunks="auto", checkpoint="auto", memory_cap=cap,
+                           cuda_graphs=True)
+    assert chosen.memory.peak <= cap and any(p.graph_slots for p in chosen.memory)
