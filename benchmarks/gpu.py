@@ -3,6 +3,8 @@
     python benchmarks/gpu.py                        # on a GPU (~2-4 min): writes benchmarks/results/gpu_<gpu name>.txt
     python benchmarks/gpu.py --out benchmarks/results/gpu_h100.txt
     python benchmarks/gpu.py --device cpu --tiny    # smoke test without a GPU (CI): tiny sizes, CPU workers
+    python benchmarks/gpu.py --slices 2,4           # stages on SM slices (benchmarks/gpu_slices.py): writes
+                                                    # benchmarks/results/gpu_slices_<gpu name>.txt
 
 Models (zoo/models.py), under bf16 autocast (fp32 weights), random weights:
   transformer  zoo.GPT(vocab 32768, d 1024, 16 heads, 8 layers, tied LM head, no dropout), batch 16 x 512 tokens
@@ -88,6 +90,13 @@ def main(argv=None) -> int:
     p.add_argument("--cnn-batch", type=int, default=None, help="images per step (default 128)")
     p.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
     p.add_argument("--models", default="transformer,cnn")
+    p.add_argument("--slices", default=None,
+                   help="K (or 'K1,K2'): instead of the table above, the pipeline on K SM slices of the GPU and the "
+                        "probe U (benchmarks/gpu_slices.py)")
+    p.add_argument("--slice-models", default="gpt-877M,gpt-135M,resnet50", help="with --slices")
+    p.add_argument("--slice-chunks", default="4,8,16", help="with --slices: M values")
+    p.add_argument("--slice-schedules", default="gpipe,1f1b,interleaved", help="with --slices")
+    p.add_argument("--no-probe", action="store_true", help="with --slices: skip the probe U")
     args = p.parse_args(argv)
     names = args.models.split(",")
     if not names or set(names) - {"transformer", "cnn"}:
@@ -104,6 +113,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # and one per worker: a smoke test must not fight the machine's other work
     else:
         p.error(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
+    if args.slices:
+        return slices_main(args, device)
     repeats = args.repeats or (1 if args.tiny else 10)
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     budget = args.budget or (60 if args.tiny else 180)
@@ -142,6 +153,34 @@ def main(argv=None) -> int:
     out = args.out
     if out is None and device.type == "cuda" and not args.tiny:
         out = C.RESULTS / f"gpu_{re.sub(r'[^a-z0-9]+', '_', torch.cuda.get_device_name(device).lower()).strip('_')}.txt"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        C.progress(f"wrote {out}")
+    return 0
+
+
+def slices_main(args, device: torch.device) -> int:
+    """--slices: benchmarks/gpu_slices.py's probe and table, to gpu_slices_<gpu>.txt."""
+    from benchmarks import gpu_slices
+    described, rows, lines = gpu_slices.run_slices(args, device, build)
+    head = C.header("gpu --slices", [
+        gpu_line(device),
+        *([] if not args.tiny else ["--tiny: tiny sizes, CPU workers stand in for the slices: a smoke test, NOT a "
+                                    "measurement"]),
+        *described,
+        "pipeline: autopipe.compile(model, devices=autopipe.sm_slices(K), chunks=M, schedule=..., checkpoint='never'), "
+        "trained with pipe.step under bf16 autocast; baseline: the plain model on slice 0's stream; speedup = "
+        "t(plain, one slice) / t(pipeline); ideal = K x (1 - the schedule's bubble); of ideal = speedup / (ideal x "
+        "U/K), or / ideal where no probe ran; bubble from pipe.timeline (CUDA events) vs the schedule's",
+        *lines,
+    ])
+    text = head + "\n" + C.table(rows, gpu_slices.HEADERS)
+    print(text, flush=True)
+    out = args.out
+    if out is None and device.type == "cuda" and not args.tiny:
+        name = re.sub(r'[^a-z0-9]+', '_', torch.cuda.get_device_name(device).lower()).strip('_')
+        out = C.RESULTS / f"gpu_slices_{name}.txt"
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

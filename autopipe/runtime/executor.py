@@ -31,11 +31,25 @@ class Transport(Protocol):
 
 def run_tasks(tasks: Sequence[Task], runners: Callable[[Task], StageRunner], transport: Transport, step: StepState,
               loss: Loss | None = None, stopped: Callable[[], bool] = lambda: False) -> None:
-    """Run ``tasks`` in order: one device's share of a step (or all of it, inline)."""
+    """Run ``tasks`` in order: one device's share of a step (or all of it, inline). A stage on a stream of its own
+    waits for the caller's stream before its first task here, and the caller's stream waits for it after the last
+    (streams.py), so one phase of a step is ordered as if it ran on the caller's stream."""
+    joined: dict = {}  # a stage's own stream -> the caller's stream on its GPU
+    try:
+        _run_in_order(tasks, runners, transport, step, loss, stopped, joined)
+    finally:
+        for stream, caller in joined.items():
+            caller.wait_stream(stream)
+
+
+def _run_in_order(tasks, runners, transport: Transport, step: StepState, loss, stopped, joined: dict) -> None:
     for task in tasks:
         if stopped():
             return
         runner, i = runners(task), task.micro_batch
+        if runner.stream is not None and runner.stream not in joined:
+            joined[runner.stream] = caller = step.ambient.streams[runner.stage.device]
+            runner.stream.wait_stream(caller)
         try:
             with runner.on_device(step):  # the transport's waits and sends too, on the stage's stream
                 if task.kind == "F":

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .executor import StageFailure, Transport
+from .streams import arrived, mark_ready
 from .task import differentiable, sum_grads
 
 OUTPUT = 1 << 30   # the model's output as a gradient contributor: after every stage
@@ -108,6 +109,8 @@ class Mailbox(Transport):
         self.grads: dict[tuple[int, str], _Slot] = {}
         self.lock = threading.Lock()
         self.aborted = False
+        # stages on streams of their own: values carry their producer's event, and readers wait for it (streams.py)
+        self.streamed = any(r.stream is not None for p in programs for r in p.runners)
         for i, row in enumerate(inputs):
             for name, value, grad in zip(programs[i].plan.graph_inputs, row, input_grad):
                 self._set(self.values, (i, name), value)
@@ -135,9 +138,13 @@ class Mailbox(Transport):
     def inputs(self, stage: int, i: int):
         names = self.programs[i].stages[stage].input_names
         values = [self._slot(self.values, (i, n)).get() for n in names]
+        if self.streamed:
+            arrived(values)
         return values, [self.needs_grad.get((i, n), False) for n in names]
 
     def send_outputs(self, stage: int, i: int, outputs: list) -> None:
+        if self.streamed:
+            mark_ready(outputs)
         for name, value in zip(self.programs[i].stages[stage].output_names, outputs):
             self.needs_grad[(i, name)] = differentiable(value)
             self._set(self.values, (i, name), value)
@@ -146,19 +153,29 @@ class Mailbox(Transport):
         return self._slot(self.values, (i, name)).get()
 
     def finals(self, i: int) -> list:
-        return [self.value(i, n) for n in self.programs[i].plan.graph_outputs]
+        values = [self.value(i, n) for n in self.programs[i].plan.graph_outputs]
+        if self.streamed:  # for the loss, on the last stage's stream
+            arrived(values)
+        return values
 
     # -- backward ------------------------------------------------------------
     def output_grads(self, stage: int, i: int) -> list:
-        return [self._slot(self.grads, (i, n)).get() if self.needs_grad.get((i, n)) else None
-                for n in self.programs[i].stages[stage].output_names]
+        grads = [self._slot(self.grads, (i, n)).get() if self.needs_grad.get((i, n)) else None
+                 for n in self.programs[i].stages[stage].output_names]
+        if self.streamed:
+            arrived(grads)
+        return grads
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
+        if self.streamed:
+            mark_ready(grads)
         for name, g in zip(self.programs[i].stages[stage].input_names, grads):
             if self.needs_grad.get((i, name)):  # else no one waits for it
                 self.contribute(i, name, stage, g)
 
     def send_final_grads(self, i: int, grads: list) -> None:
+        if self.streamed:  # made on the caller's stream (pipe(x)'s backward) or the last stage's (pipe.step)
+            mark_ready(grads)
         summed: dict[str, torch.Tensor | None] = {}  # a value the model returns twice gets one gradient
         for name, g in zip(self.programs[i].plan.graph_outputs, grads):
             summed[name] = sum_grads([summed.get(name), g])
@@ -173,7 +190,14 @@ class Mailbox(Transport):
             if len(parts) < self.programs[i].readers.get(name, 1):
                 return
             del self.grad_parts[(i, name)]
-        self._set(self.grads, (i, name), sum_grads([g for _, g in sorted(parts.items(), key=lambda kv: kv[0])]))
+        ordered = [g for _, g in sorted(parts.items(), key=lambda kv: kv[0])]
+        if self.streamed and len(ordered) > 1:  # summed on this task's stream: the other readers' parts waited for
+            arrived(ordered)
+            total = sum_grads(ordered)
+            mark_ready([total])
+        else:
+            total = sum_grads(ordered)
+        self._set(self.grads, (i, name), total)
 
     def grad(self, i: int, name: str) -> torch.Tensor | None:
         """The summed gradient of a graph input (after the backward phase)."""

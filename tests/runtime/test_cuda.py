@@ -1,4 +1,5 @@
-"""The CUDA path (streams, device placement, inline backward): runs where a GPU is, skips cleanly elsewhere
+"""The CUDA path (streams, device placement, inline backward, stages on streams of their own and on SM slices): runs
+where a GPU is, skips cleanly elsewhere
 (``make gpu`` runs it on a lent GPU). What a CPU can check of these tests runs here too: the timing model's trace;
 placement on another device than the trace's is tests/test_placement.py's.
 
@@ -420,3 +421,130 @@ def test_balance_time_times_gpu_nodes_with_cuda_events():
     CUDA events time the kernels."""
     matmul, add = seconds_of_matmul_and_add(CUDA, 4096)
     assert matmul > 20 * add, (matmul, add)
+
+
+# -- issue 30: stages on streams of their own, SM slices --------------------------------------------------------
+
+def green_contexts_supported() -> bool:
+    from torch.cuda import green_contexts
+    return torch.cuda.is_available() and green_contexts.SUPPORTED
+
+
+slices = pytest.mark.skipif(not green_contexts_supported(), reason="needs a CUDA build with green contexts")
+
+
+def stage_streams(kind: str, k: int = 2) -> list:
+    """k streams of cuda:0: plain ones (all SMs each), or autopipe.sm_slices(k) (a green context each)."""
+    if kind == "slices":
+        if not green_contexts_supported():
+            pytest.skip("needs a CUDA build with green contexts")
+        return autopipe.sm_slices(k, 0)
+    return [torch.cuda.Stream(CUDA) for _ in range(k)]
+
+
+STREAM_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 1)]
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["streams", "slices"])
+@pytest.mark.parametrize("schedule, virtual", STREAM_SCHEDULES)
+def test_stages_on_their_own_streams_of_one_gpu_match_the_plain_model(kind, schedule, virtual):
+    torch.manual_seed(0)
+    model, reference = on_gpu(GPT(dropout=None, layers=4))
+    ids, targets = (t.to(CUDA) for t in tokens())
+    streams = stage_streams(kind)
+    pipe = autopipe.compile(model, devices=streams, chunks=4, schedule=schedule, virtual_stages=virtual,
+                            example_inputs=(ids,))
+    runners = pipe.compiled.main.runners
+    assert [r.stream for r in runners] == [streams[pipe.schedule.device_of(s)] for s in range(len(runners))]
+    label = "green context, " if kind == "slices" else "(all SMs)"
+    assert label in repr(pipe) and "stage 0 computes on cuda:0 stream" in str(pipe.plan), (repr(pipe), pipe.plan)
+    for step in range(2):  # the second step reuses the streams, the events and the allocator's blocks
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = pipe.step(ids, target=targets, loss_fn=lm_loss)
+        ref_loss = lm_loss(reference(ids), targets)
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), 1e-4, 1e-5, f"loss, step {step}")
+        assert_grads_match(model, reference)
+    ran = {(e.stage, e.kind) for e in pipe.timeline.events}
+    assert {(s, "forward") for s in range(len(runners))} <= ran
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["streams", "slices"])
+def test_pipe_x_and_backward_on_stage_streams_match_the_plain_model(kind):
+    """pipe(x) then loss.backward(): the backward tasks are issued from the engine's thread, each on its stage's
+    stream; the events carry the gradients between the streams and back to the caller's."""
+    model, reference = on_gpu(build("mlp").eval())
+    args, _ = random_inputs("mlp", 8, torch.Generator().manual_seed(0))
+    args = [a.to(CUDA) for a in args]
+    pipe = autopipe.compile(model, devices=stage_streams(kind, 4), chunks=4, example_inputs=args)
+    out, ref = pipe(*args), reference(*args)
+    assert_close(out, ref, 1e-4, 1e-4, "output")
+    scalar_loss(out).backward()
+    scalar_loss(ref).backward()
+    assert_grads_match(model, reference)
+
+
+@cuda
+def test_a_caller_on_its_own_stream_is_waited_for_by_stage_streams_and_waits_for_them():
+    model, reference = on_gpu(build("mlp").eval())
+    args, _ = random_inputs("mlp", 64, torch.Generator().manual_seed(0))
+    base = args[0].to(CUDA)
+    pipe = autopipe.compile(model, devices=stage_streams("streams"), chunks=4, example_inputs=(base,))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy = torch.randn(2048, 2048, device=CUDA)
+        for _ in range(20):  # keeps the side stream busy, so a missing wait would read x half-written
+            busy = busy @ busy / busy.norm()
+        x = base + 0 * busy.sum()
+        out = pipe(x)
+        loss = scalar_loss(out)
+        loss.backward()
+        after = out * 1  # on the caller's stream: must see the finished output
+    torch.cuda.synchronize()
+    ref = reference(base)
+    scalar_loss(ref).backward()
+    assert_close(out, ref, 1e-4, 1e-4, "output")
+    assert_close(after, ref, 1e-4, 1e-4, "output read on the caller's stream")
+    assert_grads_match(model, reference)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["streams", "slices"])
+def test_dropout_on_stage_streams_replays_bit_for_bit(kind):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = GPT(dropout=0.1).to(CUDA).train()
+    ids, targets = (t.to(CUDA) for t in tokens())
+    streams = stage_streams(kind)
+    outs, grads = {}, {}
+    with sdpa_kernel(SDPBackend.MATH):  # the memory-efficient kernel's backward sums with atomics
+        for mode in ("never", "always"):
+            pipe = autopipe.compile(model, devices=streams, chunks=4, checkpoint=mode, example_inputs=(ids,))
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            out = pipe(ids)
+            lm_loss(out, targets).backward()
+            outs[mode], grads[mode] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert torch.equal(outs["always"], outs["never"])
+    for n, g in grads["never"].items():
+        assert torch.equal(grads["always"][n], g), f"{n}: the recomputed forward differs from the first"
+
+
+@slices
+def test_sm_slices_are_streams_of_green_contexts_of_equal_sm_counts():
+    from autopipe.runtime.streams import slice_size
+
+    props = torch.cuda.get_device_properties(0)
+    streams = autopipe.sm_slices(2, 0)
+    assert len(streams) == 2 and all(isinstance(s, torch.cuda.Stream) for s in streams)
+    assert streams[0] != streams[1] and all(s.device == torch.device(CUDA) for s in streams)
+    size = slice_size(props.multi_processor_count, 2, props.major)
+    model, _ = on_gpu(build("mlp").eval())
+    args, _ = random_inputs("mlp", 8, torch.Generator().manual_seed(0))
+    pipe = autopipe.compile(model, devices=streams, chunks=2, example_inputs=[a.to(CUDA) for a in args])
+    assert repr(pipe).count(f"green context, {size} SMs") == 2, repr(pipe)
