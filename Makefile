@@ -33,7 +33,8 @@ bench: install
 	$(VPY) benchmarks/speedup.py
 
 # On a lent GPU machine (no network; its python3's CUDA torch, pytest and transformers are kept): the CUDA tests and
-# benchmarks/gpu.py, every result under OUT (the device machine sets it), in under 8 minutes on an H100 (.ci/gpu.sh).
+# benchmarks/gpu.py, host_cost.py and gpu.py --slices, every result under OUT (the device machine sets it), in about
+# 7 minutes on an H100 or H200 (estimated, .ci/gpu.sh).
 gpu:
 	@test -n "$(OUT)" || { echo "make gpu OUT=<folder>: the folder the results go to (the device machine sets OUT)"; exit 2; }
 	bash .ci/gpu.sh "$(OUT)"

@@ -6,9 +6,10 @@ from autopipe.plan import Plan, StagePlan
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.schedule import Schedule
+from autopipe.runtime.streams import sm_slices
 from autopipe.verify import VerifyReport, verify
 
 __all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan",
            "StagePlan", "Schedule", "VerifyReport", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan",
-           "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp"]
+           "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp", "sm_slices"]
 __version__ = "0.2.0"

@@ -16,16 +16,19 @@ from autopipe.global_state import preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
+from autopipe.passes.graph_capture import graph_capture
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
-from autopipe.plan import Plan
+from autopipe.plan import Plan, human_bytes
 from autopipe.progress import Progress
+from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.step import Compiled, Program
+from autopipe.runtime.streams import StageStream, as_stage_stream
 from autopipe.runtime.task import CHECKPOINT_MODES
 
 BALANCE_MODES = ("flops", "params", "time")
@@ -51,6 +54,8 @@ class Options:
     virtual_stages: int = 1
     checkpoint: str = "except_last"
     optimizer: str | None = "adam"         # for the plan's memory prediction: "sgd", "momentum", "adam", None
+    cuda_graphs: bool = False             # replay each stage's tasks as CUDA graphs (runtime/cuda_graphs.py)
+    streams: tuple[StageStream | None, ...] = ()  # like devices, where devices= gave CUDA streams; else empty
 
     def __post_init__(self) -> None:
         if not positive_int(self.chunks):
@@ -63,6 +68,12 @@ class Options:
         if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.schedule in ("zb-h1", "zbv"):
+            raise ValueError(f"cuda_graphs=True with schedule={self.schedule!r} is not supported yet: its backward is "
+                             f"split in two (input gradients, then parameter gradients), which the captured backward "
+                             f"does not do; use 'gpipe', '1f1b' or 'interleaved', or cuda_graphs=False")
         object.__setattr__(self, "virtual_stages", stages_per_device(self.schedule, self.virtual_stages))
         object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
@@ -72,12 +83,16 @@ class Options:
         """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K] (zbv: device d
         holds stages d and 2K-1-d, so the partitioner cuts 2K stages and balances them)."""
         checked, K = cls(tuple(devices), **options), len(devices)
-        return replace(checked, devices=tuple(devices[device_of_stage(checked.schedule, K, s)]
-                                              for s in range(K * checked.virtual_stages)))
+        if checked.streams and len(checked.streams) != K:
+            raise ValueError(f"Options.make: {len(checked.streams)} streams for {K} devices")
+        where = [device_of_stage(checked.schedule, K, s) for s in range(K * checked.virtual_stages)]
+        return replace(checked, devices=tuple(devices[d] for d in where),
+                       streams=tuple(checked.streams[d] for d in where) if checked.streams else ())
 
 
 def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
-    """``devices=N``: N CUDA devices, or N CPU workers without CUDA; or an explicit list."""
+    """``devices=N``: N CUDA devices, or N CPU workers without CUDA; or an explicit list, where a CUDA stream stands
+    for its GPU (``device_streams`` gives the streams)."""
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if devices is None:
         devices = cuda_count or min(os.cpu_count() or 1, 8)
@@ -94,6 +109,10 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
         raise ValueError("devices is an empty list: name at least one device, e.g. devices=['cpu', 'cpu']")
     resolved = []
     for d in devices:
+        stream = as_stage_stream(d, cuda_count)
+        if stream is not None:
+            resolved.append(stream.device)
+            continue
         try:
             device = torch.device(d)
         except (RuntimeError, TypeError) as e:
@@ -110,6 +129,16 @@ def resolve_devices(devices: int | Sequence[str | torch.device] | None) -> list[
             raise ValueError(f"devices: {d!r}: autopipe runs stages on 'cpu' or 'cuda' devices")
         resolved.append(device)
     return resolved
+
+
+def device_streams(devices: Any) -> tuple[StageStream | None, ...]:
+    """Per entry of a ``devices`` list, its StageStream where it is a CUDA stream, else None; () if it holds no
+    stream (the common case: every stage on the caller's current stream of its device)."""
+    if not isinstance(devices, (list, tuple)):
+        return ()
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    streams = tuple(as_stage_stream(d, cuda_count) for d in devices)
+    return streams if any(s is not None for s in streams) else ()
 
 
 def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
@@ -145,7 +174,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                           f"another dim: it is cut into micro-batches as rows of samples. If it is not "
                           f"per sample (a (seq, seq) mask whose seq equals the batch), the pipeline's "
                           f"values are wrong: use a batch of another size", stacklevel=4)
-        notes = list(traced.notes)
+        notes = list(traced.notes) + [f"stage {s} computes on {stream}" for s, stream in enumerate(options.streams)
+                                      if stream is not None]
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
         with progress.run("partition") as report:
@@ -155,8 +185,12 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
+            if options.cuda_graphs:  # which stages replay as graphs: the memory model prices their slots
+                plan.cuda_graphs = graph_capture(traced, plan)
             plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
                                          options.virtual_stages, options.optimizer)
+            if options.cuda_graphs and options.memory_cap is not None:
+                _graphs_within_cap(plan, options.memory_cap)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
         if not generate:
             return Program(traced=traced, plan=plan, stages=[])
@@ -167,7 +201,10 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             report["detail"] = f"{len(stages)} stage modules"
         if after_codegen is not None:
             after_codegen(stages)
-        return Program(traced=traced, plan=plan, stages=stages)
+        compiled = Program(traced=traced, plan=plan, stages=stages)
+        if options.cuda_graphs:
+            use_cuda_graphs(compiled)
+        return compiled
 
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
     with preserved_global_state(), torch.inference_mode(False):
@@ -184,6 +221,20 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                 _refuse_batch_mixing_outputs(model, args, kwargs, e.batch_size, programs.values())
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
+
+
+def _graphs_within_cap(plan: Plan, memory_cap: float) -> None:
+    """cuda_graphs=True keeps each micro-batch a captured stage holds in static memory of its own: refused before any
+    runs where the predicted peak with those graphs passes ``memory_cap``."""
+    per_device = plan.memory.per_device()
+    device = max(range(len(per_device)), key=per_device.__getitem__)
+    if per_device[device] > memory_cap:
+        graphs = sum(p.graph_bytes for p in plan.memory if p.device == device)
+        raise ValueError(f"cuda_graphs=True: device {device} is predicted to hold {human_bytes(per_device[device])} "
+                         f"with CUDA graphs ({human_bytes(graphs)} of them in graph slots), over memory_cap="
+                         f"{human_bytes(memory_cap)}. Use checkpoint='always' or 'except_last' (fewer slots), fewer "
+                         f"chunks, a larger memory_cap, or cuda_graphs=False (print(autopipe.plan(..., "
+                         f"cuda_graphs=True)) shows each stage's slots)")
 
 
 def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
@@ -258,9 +309,11 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
         K = len(devices)
 
         def plan_for(n_stages: int):
-            return partition(costed, n_stages, devices=[devices[s % K] for s in range(n_stages)], chunks=1,
-                             balance=options.balance, tolerance=options.tolerance, notes=traced.notes,
-                             analysis=analysis), costed
+            planned = partition(costed, n_stages, devices=[devices[s % K] for s in range(n_stages)], chunks=1,
+                                balance=options.balance, tolerance=options.tolerance, notes=traced.notes,
+                                analysis=analysis)
+            planned.cuda_graphs = graph_capture(traced, planned) if options.cuda_graphs else None
+            return planned, costed
 
         with progress.run("choose") as report:
             choice = choose_configuration(
@@ -283,7 +336,8 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
          devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8,
          balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
          memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
-         checkpoint: str = "except_last", optimizer: str | None = "adam", verbose: bool = False) -> Plan:
+         checkpoint: str = "except_last", optimizer: str | None = "adam", cuda_graphs: bool = False,
+         verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts
@@ -292,11 +346,13 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
     the alternatives in ``plan.choice``. ``verbose=True``: each pass on stderr."""
     auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
-    options = Options.make(stage_devices, chunks=1 if "chunks" in auto else chunks, balance=balance,
-                           leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap, route=route,
+    options = Options.make(stage_devices, streams=device_streams(devices), chunks=1 if "chunks" in auto else chunks,
+                           balance=balance, leaf_modules=leaf_modules, tolerance=tolerance, memory_cap=memory_cap,
+                           route=route,
                            verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
                            virtual_stages=1 if "schedule" in auto else virtual_stages,
-                           checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer)
+                           checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer,
+                           cuda_graphs=cuda_graphs)
     args, kwargs = as_tuple(example_inputs), example_kwargs or {}
     if auto:
         return _choose(model, args, kwargs, options, stage_devices, auto)
@@ -308,7 +364,7 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
             schedule: str = "gpipe", virtual_stages: int = 1, balance: str | Sequence[float] = "flops",
             leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
             intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
-            data_parallel: int = 1, timeout: float = 300.0, route: str = "auto",
+            data_parallel: int = 1, timeout: float = 300.0, route: str = "auto", cuda_graphs: bool = False,
             verbose: bool = False) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
@@ -318,7 +374,11 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
     with ``devices=None``: one stage per rank over torch.distributed (``data_parallel`` replicas of the pipeline;
     ``timeout`` seconds bound any wait on a peer)."""
     chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
-                  tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages)
+                  tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages,
+                  cuda_graphs=cuda_graphs)
+    if cuda_graphs is True:  # every option checked first, then what graphs refuse
+        Options((torch.device("cpu"),), **chosen)
+        _check_graphs(devices, deferred_batch_norm=deferred_batch_norm, track_memory=track_memory)
     if devices is None and running_under_torchrun():
         # every rank plans all K stages; the options are checked before any process group exists
         n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
@@ -329,32 +389,61 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
     else:
         if data_parallel != 1:
             raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
-        device_list = resolve_devices(devices)
-        options = Options.make(device_list, verbose=verbose, **chosen)
+        device_list, streams = resolve_devices(devices), device_streams(devices)
+        options = Options.make(device_list, verbose=verbose, streams=streams, **chosen)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(f"{type(model).__name__} has parameters on the meta device: autopipe.compile needs real "
                              f"weights (use autopipe.plan to plan a meta model, or materialise it with to_empty() and "
                              f"load a state dict)")
-        build = lambda args, kwargs: run_passes(model, args, kwargs, options, after_codegen=place)
+        build = lambda args, kwargs: run_passes(model, args, kwargs, options,
+                                                after_codegen=lambda stages: on_streams(place(stages), options.streams))
         pipe = Pipeline(model, device_list, chunks, checkpoint, build, intra_op_threads=intra_op_threads,
                         deferred_batch_norm=deferred_batch_norm, schedule=schedule, virtual_stages=virtual_stages,
-                        track_memory=track_memory)
+                        track_memory=track_memory, streams=streams)
     if example_inputs is not None or example_kwargs:
         pipe.compile_for(as_tuple(example_inputs), example_kwargs or {})
     return pipe
+
+
+def _check_graphs(devices: Any, **refused: bool) -> None:
+    """``cuda_graphs=True``'s refusals, before anything is traced or moved: each names what to change."""
+    if devices is None and running_under_torchrun():
+        raise ValueError("cuda_graphs=True is not supported under torchrun yet (one stage per rank over "
+                         "torch.distributed): compile in one process with devices=[...], or cuda_graphs=False")
+    for name, on in refused.items():
+        if on:
+            raise ValueError(f"cuda_graphs=True with {name}=True is not supported yet: "
+                             + {"deferred_batch_norm": "deferred BatchNorm gathers statistics on the host side of "
+                                                       "each task, which a replay skips",
+                                "track_memory": "the memory report counts what autograd saves in each task, and a "
+                                                "replay saves nothing through autograd"}[name]
+                             + f"; drop {name} or cuda_graphs")
+    cpu = [str(d) for d in resolve_devices(devices) if d.type != "cuda"]
+    if cpu:
+        raise ValueError(f"cuda_graphs=True needs every stage on a CUDA device, but devices gives {cpu[0]!r}"
+                         f"{' (CUDA is not available here)' if not torch.cuda.is_available() else ''}; use CUDA "
+                         f"devices, or cuda_graphs=False (autopipe.plan(..., cuda_graphs=True) plans for graphs "
+                         f"anywhere)")
 
 
 def as_tuple(inputs: Any) -> tuple:
     return () if inputs is None else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def place(stages: Sequence[Stage]) -> None:
+def place(stages: Sequence[Stage]) -> Sequence[Stage]:
     """Move each tensor the stages read to its ``placement``. The tensor objects stay the same (``.data`` is replaced),
     so optimizers keep working and every stage, program and the model see the move."""
     with torch.no_grad():
         for t, device in placement(stages):
             if t.device != device:
                 t.data = t.data.to(device)
+    return stages
+
+
+def on_streams(stages: Sequence[Stage], streams: Sequence[StageStream | None]) -> None:
+    """Each stage given a stream computes on it (its runner reads ``compute_stream``, runtime/task.py)."""
+    for stage, stream in zip(stages, streams):
+        stage.compute_stream = stream
 
 
 def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]]:

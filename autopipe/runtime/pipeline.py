@@ -34,10 +34,12 @@ class Pipeline(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, devices: list[torch.device], chunks: int, checkpoint: str,
                  build: Callable[[Sequence[Any], dict[str, Any]], Compiled], *, intra_op_threads: int | None = None,
                  deferred_batch_norm: bool = False, schedule: str = "gpipe", virtual_stages: int = 1,
-                 track_memory: bool = False):
+                 track_memory: bool = False, streams: Sequence[Any] = ()):
         super().__init__()
         object.__setattr__(self, "model", model)
         self.devices = devices
+        # how each device prints: a stage's own stream where devices= gave one (runtime/streams.py)
+        self.device_labels = [str(s or d) for d, s in zip(devices, streams or [None] * len(devices))]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -121,7 +123,7 @@ class Pipeline(torch.nn.Module):
 
     def __repr__(self) -> str:
         state = "compiled" if self._current is not None else "not compiled yet"
-        return (f"Pipeline({type(self.model).__name__}, devices={[str(d) for d in self.devices]}, "
+        return (f"Pipeline({type(self.model).__name__}, devices={self.device_labels}, "
                 f"chunks={self.chunks}, schedule={self.schedule_name!r}, checkpoint={self.checkpoint!r}, {state})")
 
     # -- running ----------------------------------------------------------------

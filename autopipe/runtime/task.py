@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
@@ -19,6 +20,7 @@ from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
 from .schedule import Schedule
 from .split_backward import WeightWork, backward_input, engine_grad
+from .streams import detached, wait_for_producer
 from .timeline import Timeline
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -167,8 +169,8 @@ def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
 
 def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict, streams: dict) -> torch.Tensor:
     """``x`` on ``device``: from the host through pinned memory; between GPUs on copy streams, so a transfer
-    waits only for its producer's stream (``streams``: the compute streams) and overlaps the consumer's compute
-    (torchgpipe's copy.py: wait_stream, copy, record_stream)."""
+    waits only for its producer (the event a stage stream tagged it with, else the caller's stream in ``streams``)
+    and overlaps the consumer's compute on the current stream (torchgpipe's copy.py: wait, copy, record_stream)."""
     if x.device == device or device.type != "cuda":
         return x if x.device == device else x.to(device)
     if x.device.type == "cpu":
@@ -177,10 +179,10 @@ def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict, streams: d
         if d not in copy_streams:
             copy_streams[d] = torch.cuda.Stream(d)
     source, target = copy_streams[x.device], copy_streams[device]
-    source.wait_stream(streams.get(x.device) or torch.cuda.current_stream(x.device))
+    wait_for_producer(source, x, streams.get(x.device) or torch.cuda.current_stream(x.device))
     with torch.cuda.stream(source), torch.cuda.stream(target):
         y = x.to(device, non_blocking=True)
-    compute = streams.get(device) or torch.cuda.current_stream(device)
+    compute = torch.cuda.current_stream(device)  # the consumer's: its own stream, or the caller's (on_device)
     compute.wait_stream(target)
     x.record_stream(source)
     y.record_stream(compute)
@@ -242,6 +244,8 @@ class StageRunner:
         self._wrt = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
         self.param_ids = {p.untyped_storage().data_ptr() for p in self._wrt}
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
+        own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
+        self.stream = own.stream if own is not None else None
 
     @property
     def index(self) -> int:
@@ -307,17 +311,19 @@ class StageRunner:
         values where they were made, or received: the host for gloo)."""
         if not isinstance(x, torch.Tensor):
             return x
-        x = _moved(x.detach(), self.stage.device, self.copy_streams, step.ambient.streams)
+        x = _moved(detached(x), self.stage.device, self.copy_streams, step.ambient.streams)
         return x.requires_grad_() if needs_grad and differentiable(x) else x
 
     def on_device(self, step: StepState) -> contextlib.AbstractContextManager:
-        """Around a whole task (executor.run_tasks): a CUDA stage's device made current, and on it the caller's
-        stream, so the step is ordered after the caller's work and before what it does with the results."""
+        """Around a whole task (executor.run_tasks): a CUDA stage's device made current, and on it the stage's own
+        stream or else the caller's, so the step is ordered after the caller's work and before what it does with the
+        results (streams.py: a stage stream joins the caller's at each phase's start and end)."""
         if self.stage.device.type != "cuda":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.stage.device))
-        stack.enter_context(torch.cuda.stream(step.ambient.streams.get(self.stage.device)))
+        own = self.stream if self.stream is not None else step.ambient.streams.get(self.stage.device)
+        stack.enter_context(torch.cuda.stream(own))
         return stack
 
     def _own_state(self, copies: list):
@@ -442,10 +448,31 @@ def _add_param_grads(mine: StageStep, grads: tuple) -> None:
         mine.param_grads, mine.owned = list(grads), [False] * len(grads)
         return
     for k, g in enumerate(grads):
-        previous = mine.param_grads[k]
-        if g is None or previous is None:
-            mine.param_grads[k] = previous if g is None else g
-        elif mine.owned[k]:
-            previous.add_(g)
+        if g is None:
+            continue
+        if mine.param_grads[k] is None:
+            mine.param_grads[k] = g
+        elif mine.owned[k] or _held_only_by(mine.param_grads, k):
+            mine.param_grads[k].add_(g)
+            mine.owned[k] = True
         else:
-            mine.param_grads[k], mine.owned[k] = previous + g, True
+            mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
+
+
+def _held_only_by(grads: list, k: int) -> bool:
+    """Whether nothing but ``grads`` holds ``grads[k]`` or its memory: a gradient the engine made for this step alone,
+    which the sums may then add to in place, as AccumulateGrad steals a gradient no one else holds
+    (torch/csrc/autograd/functions/accumulate_grad.h). A gradient the engine passed through (an output's own gradient,
+    an input's, a tensor a custom Function returned) is held elsewhere too and is never written. Measured on the CPU:
+    the sum's fresh allocation costs a page fault per 4 KiB, ~4% of a transformer's step over 2 ranks. Not on a GPU,
+    where a copy stream may still read a tensor Python let go of (record_stream), and allocation is cached."""
+    g = grads[k]
+    if g.device.type != "cpu" or sys.getrefcount(g) != 3 or g._use_count() != 1:  # 3: grads, g, the argument
+        return False
+    if not g.is_contiguous():  # an expanded gradient (stride 0) has elements an in-place sum would write twice
+        return False
+    holders = torch._C._storage_Use_Count(g.untyped_storage()._cdata) - 1  # less the storage object just made
+    base = g._base  # a Linear's weight gradient is a transposed view of the product the engine made
+    if base is None:
+        return holders == 1
+    return holders == 2 and base._base is None and base._use_count() == 2 and sys.getrefcount(base) == 3
