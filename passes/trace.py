@@ -393,6 +393,20 @@ def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
     """Shapes on every node, and a getitem per tensor of an output tuple (which needs the shapes)."""
     _propagate_fake_shapes(traced.graph_module, flat_inputs)
     _unpack_sequence_outputs(traced)
+    _attribute_outputs_through_an_op(traced.graph_module)
+
+
+def _attribute_outputs_through_an_op(gm: fx.GraphModule) -> None:
+    """A parameter, buffer or constant the model returns as it is (``return logits, self.logit_scale``) is no stage's
+    node: no stage sent it, and the step waited for it forever. It is returned through ``aten.alias``, a view autograd
+    hands the gradient through, computed by a stage as any node is."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for attribute in [n for n in output.all_input_nodes if n.op == "get_attr"]:
+        with gm.graph.inserting_before(output):
+            alias = gm.graph.call_function(torch.ops.aten.alias.default, (attribute,))
+        alias.meta = {"val": attribute.meta.get("val")}
+        output.replace_input_with(attribute, alias)
+    gm.recompile()
 
 
 def _batch_rows(arguments: dict[str, Any], batch: int, rows: int) -> dict[str, Any]:

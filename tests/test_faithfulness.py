@@ -1289,3 +1289,38 @@ def test_an_output_list_of_one_tensor_a_sample_is_as_long_as_the_batch():
     (out.pow(2).sum() + sum(f[0].sum() * i for i, f in enumerate(features))).backward()
     (want.pow(2).sum() + sum(f[0].sum() * i for i, f in enumerate(want_features))).backward()
     assert max_relative(grads_of(model), grads_of(reference)) < 1e-12
+
+
+class ReturnsItsWeights(nn.Module):
+    """Returns, beside its prediction, values no input reaches: a parameter and a buffer as they are (fx records them as
+    attributes, no stage's node) and a statistic of the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+        self.register_buffer("codebook_usage", torch.arange(3.0))
+
+    def forward(self, x):
+        logits = self.last(torch.tanh(self.first(x))) * self.logit_scale.exp()
+        return logits, self.logit_scale, self.codebook_usage, self.first.weight.pow(2).sum(0)
+
+
+@pytest.mark.parametrize("chunks", [3, 4])
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_outputs_no_input_reaches_are_the_plain_models_and_get_their_gradient_once(route, chunks):
+    """Such an output was waited for forever (no stage sent it) or was a mean over micro-batches; it is each micro-batch's
+    same value, taken once, and its gradient reaches the weights once."""
+    torch.manual_seed(0)
+    model, x = ReturnsItsWeights().double(), torch.randn(12, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    loss_of = lambda out: out[0].square().sum() + 3 * out[1] + out[3].sum()
+    expected = plain(x)
+    loss_of(expected).backward()
+    pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route)
+    got = pipe(x)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e) if g.dim() < 2 else torch.allclose(g, e, rtol=1e-13, atol=0)
+    loss_of(got).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)

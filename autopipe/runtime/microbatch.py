@@ -47,7 +47,8 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
     ``counts`` where it is a mean over targets a micro-batch counts (a part over no targets is nan and weighs 0). Parts
     no concatenation turns into the plain model's value (a statistic over the batch, CLIP's batch x batch logits) are
     refused."""
-    if len(parts) == 1 or (parts[0].dim() == 0 and not parts[0].is_floating_point()):
+    if len(parts) == 1 or (parts[0].dim() == 0 and not parts[0].is_floating_point()) or \
+            (traced is not None and traced.batch_free):
         return parts[0]
     if parts[0].dim() == 0:
         if traced is not None and traced.scalar_merge == "count" and counts is not None and not sum(counts):
@@ -73,6 +74,8 @@ def scalar_weights(sizes: list[int], traced: TensorInfo | None = None,
     """What each micro-batch's 0-dim output weighs in :func:`merge`: 1 for a sum, its share of the targets for a mean
     over counted targets, its share of the rows otherwise."""
     how = traced.scalar_merge if traced is not None else "mean"
+    if traced is not None and traced.batch_free:
+        return [1.0] + [0.0] * (len(sizes) - 1)
     if how == "sum":
         return [1.0] * len(sizes)
     return count_shares(counts, sizes) if how == "count" and counts is not None else [s / sum(sizes) for s in sizes]
@@ -90,6 +93,8 @@ def split_grad(grad: torch.Tensor | None, parts: Sequence[torch.Tensor], sizes: 
     """The gradient of :func:`merge`'s output, back on each of its ``parts``."""
     if grad is None or len(parts) == 1:
         return [grad] * len(sizes)
+    if traced is not None and traced.batch_free:
+        return [grad] + [None] * (len(parts) - 1)
     if parts[0].dim() == 0:
         return [grad * w for w in scalar_weights(sizes, traced, counts)]
     return list(torch.split(grad, [p.shape[0] for p in parts]))

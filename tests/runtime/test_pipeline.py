@@ -149,6 +149,37 @@ def test_a_tensor_returned_twice_gets_both_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
 
 
+class ReturnsItsScale(nn.Module):
+    """Returns a parameter as it is: its gradient is the loss's own tensor, which the engine passes through (before
+    the trace put such an output through an op, no stage sent it and the step waited forever)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.first(x))), self.scale
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_gradients_the_engine_passes_through_or_makes_sum_to_the_plain_models(schedule):
+    """The step sums micro-batches' parameter gradients in place where nothing else holds them (the engine made them)
+    and into a fresh tensor where something does (a gradient the engine passed through, here the loss's own)."""
+    torch.manual_seed(0)
+    model, x, y = ReturnsItsScale().double(), torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    loss_fn = lambda out, target: ((out[0] - target) ** 2).sum() * out[1] + out[1] ** 2
+    plain = copy.deepcopy(model)
+    plain_loss = sum(loss_fn(plain(x[k:k + 2]), y[k:k + 2]) for k in range(0, 8, 2)) / 4  # step: the rows' mean
+    plain_loss.backward()
+    pipe = autopipe.compile(model, devices=2, chunks=4, schedule=schedule)
+    for _ in range(2):  # the second step sums into the first's .grad
+        loss = pipe.step(x, target=y, loss_fn=loss_fn)
+    assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-12)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, 2 * q.grad, rtol=0, atol=1e-12, msg=name)
+
+
 class _Looped(torch.nn.Module):
     """One block applied ``n`` times: more ops with ``n``, the same parameters."""
 
