@@ -65,21 +65,28 @@ class _Deliver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        return (None, *ctx.grads)
+        given, ctx.grads = ctx.grads, None
+        handed = (None, *given)
+        given.clear()  # the engine's references alone: AccumulateGrad makes each .grad without a copy
+        return handed
 
 
 def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
     """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad`` as ``loss.backward()`` would: through
     the engine, so each hook runs once on the whole gradient, those on a parameter's AccumulateGrad node too (DDP's
     reducer registers there; Python cannot see them). A CUDA parameter without a hook Python sees is added to directly,
-    the path that has run on a GPU."""
-    pairs = [(p, g) for p, g in pairs if g is not None]
-    if any(p.device.type == "cpu" or p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in pairs):
+    the path that has run on a GPU. ``pairs`` is emptied: AccumulateGrad copies a gradient anything else still holds
+    (accumulate_grad.h), ~20 ms a step for transformer_like's 12M parameters a rank on the CPU."""
+    taken = [(p, g) for p, g in pairs if g is not None]
+    pairs.clear()
+    if any(p.device.type == "cpu" or p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in taken):
+        params, grads = [p for p, _ in taken], [g for _, g in taken]
+        taken.clear()
         with torch.enable_grad():
-            _Deliver.apply([g for _, g in pairs], *[p for p, _ in pairs]).backward()
+            _Deliver.apply(grads, *params).backward()
         return
     with torch.no_grad():
-        for p, g in pairs:
+        for p, g in taken:
             p.grad = g if p.grad is None else p.grad.add_(g)
 
 
