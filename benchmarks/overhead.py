@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     for pipe in pipes.values():
         pipe.close()
     if args.small_op:
-        text += "\n\n" + small_op_table(args.small_op_runs or (5 if quick else 41))
+        text += "\n\n" + small_op_table(args.small_op_runs or (2 if quick else 41))
     C.write("overhead", text, quick=quick, results_dir=args.results_dir)
     return 0
 

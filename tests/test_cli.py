@@ -109,6 +109,18 @@ def autopipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
                           timeout=120, cwd=cwd or ROOT, env=env)
 
 
+def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The same command through the CLI's main() in this process: the checks of bad input, where a new interpreter per
+    case spent ~3 s starting (the subprocess tests above and below run it as a user does)."""
+    from autopipe.__main__ import main
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def test_plan_gpt_on_meta_writes_valid_stage_files(factory_file, tmp_path):
     out = tmp_path / "stages"
     r = autopipe("plan", f"{factory_file}:gpt", "--input-shape", "4,16", "--input-dtype", "long",
@@ -159,17 +171,17 @@ def test_a_huge_model_plans_on_meta_without_memory(factory_file):
     assert peak_kib < 4 * 2**20, f"a child process peaked at {peak_kib / 2**20:.1f} GiB"
 
 
-def test_help_explains_itself_with_an_example():
+def test_help_explains_itself_with_an_example(capsys):
     r = autopipe("--help")
     assert r.returncode == 0
     assert "plan" in r.stdout and "verify" in r.stdout and "example" in r.stdout
-    r = autopipe("plan", "--help")
+    r = in_process(capsys, "plan", "--help")
     assert r.returncode == 0
     for flag in ("--input-shape", "--input-dtype", "--kwarg-shape", "--devices", "--chunks", "--balance", "--out",
                  "--meta", "--no-meta"):
         assert flag in r.stdout
     assert "example" in r.stdout and "python -m autopipe plan" in r.stdout
-    r = autopipe()
+    r = in_process(capsys)
     assert r.returncode == 2 and "plan" in r.stderr
 
 
@@ -185,9 +197,9 @@ def test_help_explains_itself_with_an_example():
     (["plan", "{file}:gpt", "--input-shape", "4,16", "--chunks", "many"], "invalid int value"),
     (["plan", "{file}:gpt"], "give the example input's shape"),
 ])
-def test_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message):
+def test_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message, capsys):
     fill = {"file": str(factory_file), "dir": str(factory_file.parent)}
-    r = autopipe(*(a.format(**fill) for a in args))
+    r = in_process(capsys, *(a.format(**fill) for a in args))
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -250,9 +262,9 @@ def test_verify_fails_with_exit_code_1_and_names_the_parameter(factory_file):
     (["verify", "{file}:gpt", "--input-shape", "8,16", "--devices", "0"], "--devices 0: at least 1"),
     (["verify", "{file}:gpt", "--input-shape", "8,16", "--devices", "tpu,tpu"], "--devices 'tpu,tpu'"),
 ])
-def test_verify_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message):
+def test_verify_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message, capsys):
     fill = {"file": str(factory_file)}
-    r = autopipe(*(a.format(**fill) for a in args))
+    r = in_process(capsys, *(a.format(**fill) for a in args))
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr

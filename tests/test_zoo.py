@@ -30,7 +30,9 @@ KNOWN: dict[str, str] = {}  # name -> reason: marked xfail(strict=False)
 
 # Passes, but too slow for every run: set AUTOPIPE_SLOW_ZOO=1 to include it.
 SLOW = {"mobilenet_v2": "~15 s: 17 inverted-residual blocks to trace three times, and float64 depthwise-convolution "
-                        "backward has no fast CPU kernel"}
+                        "backward has no fast CPU kernel",
+        "unet_diffusers": "~26 s on 2 cores: it specialises on the batch size, so each micro-batch size is exported "
+                          "again; test_faithfulness.py's batch-specialising UNet runs that class in every run"}
 
 DEVICES_4 = ["gpt2", "mobilenet_v3"]
 

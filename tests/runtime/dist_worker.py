@@ -4,7 +4,7 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's res
 Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
 ``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``moe`` (experts given the rows routed to them),
 ``skip`` (a skip connection and an early model output between ranks), ``trap`` (a failure injected on one rank;
-see :class:`Trap`), ``zoo`` (float64 gradients of the small zoo's NAMES under SCHEDULE, for every checkpoint mode).
+see :class:`Trap`), ``zoo`` (float64 gradients of the small zoo's NAMES, ``name:mode+mode,...``, under SCHEDULE).
 """
 import json
 import os
@@ -263,9 +263,9 @@ def main():
         torch.save({"grads": grads, "loss": None if loss is None else loss.item()}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "zoo":  # eval mode: BatchNorm's and dropout's per micro-batch draws are tested against 1F1B
         grads = {}
-        for name in os.environ["NAMES"].split(","):
+        for name, modes in (entry.split(":") for entry in os.environ["NAMES"].split(",")):
             args, kwargs = double_inputs(name)
-            for checkpoint in ("never", "except_last", "always"):
+            for checkpoint in modes.split("+"):
                 model = build(name).double().eval()
                 pipe = autopipe.compile(model, chunks=4, timeout=30, checkpoint=checkpoint,
                                         schedule=os.environ["SCHEDULE"])

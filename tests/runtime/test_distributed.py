@@ -126,24 +126,27 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, check
     torch.testing.assert_close(results[0]["grads"]["wte.weight"], head.get("lm_head.weight", head.get("wte.weight")))
 
 
-@pytest.mark.parametrize("world,schedule,names", [(2, "zb-h1", "gpt,two_inputs,masked,moe"),
-                                                   (2, "zbv", "gpt,two_inputs,masked,moe"),
-                                                   (4, "zb-h1", "gpt,two_inputs"), (4, "zbv", "gpt,two_inputs")])
+@pytest.mark.parametrize("world,schedule,names", [
+    (2, "zb-h1", "gpt:never,two_inputs:except_last,masked:always,moe:never"),
+    (2, "zbv", "gpt:except_last,two_inputs:always,masked:never,moe:always"),
+    (4, "zb-h1", "gpt:never+except_last+always,two_inputs:never"),
+    (4, "zbv", "gpt:never+except_last+always,two_inputs:except_last")])
 def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, schedule, names):
-    """zb-h1 and zbv over 2 and 4 gloo ranks, every checkpoint mode: each parameter's gradient, on each rank that
-    holds it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's tied embedding and head on
-    rank 0)."""
+    """zb-h1 and zbv over 2 and 4 gloo ranks, every checkpoint mode under each (spread over the models at 2 ranks:
+    each compile traces again; test_zero_bubble.py runs every model in every mode in process): each parameter's
+    gradient, on each rank that holds it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's
+    tied embedding and head on rank 0)."""
     run = launch("zoo", world, tmp_path, SCHEDULE=schedule, NAMES=names)
     assert run.codes == [0] * world, run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     if schedule == "zbv":
         assert [r["stages"] for r in results] == [[d, 2 * world - 1 - d] for d in range(world)]
-    for name in names.split(","):
+    for name, modes in (entry.split(":") for entry in names.split(",")):
         model = build(name).double().eval()
         args, kwargs = double_inputs(name)
         per_sample_loss(model(*args, **kwargs), torch.zeros(8)).backward()
         expected = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
-        for checkpoint in ("never", "except_last", "always"):
+        for checkpoint in modes.split("+"):
             seen = set()
             for r in results:
                 for n, grad in r["grads"][f"{name}/{checkpoint}"].items():

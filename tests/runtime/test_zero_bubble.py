@@ -24,7 +24,9 @@ def test_the_zoo_trains_as_the_plain_model_in_float64(name, schedule):
     rows = torch.zeros(8)
     plain = copy.deepcopy(model)
     per_sample_loss(plain(*args, **kwargs), rows).backward()
-    for checkpoint in ("never", "except_last", "always"):
+    # the MoE traces through export, ~4 s a compile: one mode a schedule (test_distributed.py runs the others over ranks)
+    modes = {"zb-h1": ["always"], "zbv": ["except_last"]}[schedule] if name == "moe" else ["never", "except_last", "always"]
+    for checkpoint in modes:
         model.zero_grad(set_to_none=True)
         pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint, schedule=schedule)
         pipe.step(*args, **kwargs, target=rows, loss_fn=per_sample_loss)
