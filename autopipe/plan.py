@@ -47,7 +47,7 @@ class TensorInfo:
     count: TargetCount | None = None  # scalar_merge "count": the mean weighted by each micro-batch's count of targets
     # dim 0: rows a mask selected from the batch's rows, in their order (x[mask]): parts concatenate
     selected_rows: bool = False
-    # an output no graph input reaches (a parameter returned as it is, a norm of the weights): every micro-batch gives
+    # an output no batch input reaches (a parameter returned as it is, a norm of the weights): every micro-batch gives
     # the plain model's value, so the first part is the output, and its gradient goes to that part alone
     batch_free: bool = False
 

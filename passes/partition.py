@@ -220,7 +220,7 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, analysis: Micro
         kind, shape = "size", (len(val),)
     merge, mixed = analysis.scalar_merges.get(n.name, "mean"), analysis.mixed.get(n.name, ())
     together, selected = n.name in analysis.together, n.name in analysis.selected
-    batch_free = is_output and not _reached_by_an_input(n)
+    batch_free = is_output and n.name in analysis.batch_free
     return TensorInfo(name=n.name, shape=shape, dtype=dtype, nbytes=nbytes, producer=producer,
                       consumers=tuple(consumers), is_output=is_output, kind=kind, rows_per_sample=rows,
                       merges=(not shape or rows == 1 or rows > 1 and together or selected or batch_free) and not mixed,
@@ -228,13 +228,3 @@ def _info(n: fx.Node, producer: int, consumers, is_output: bool, analysis: Micro
                       count=analysis.counts.get(n.name) if merge == "count" else None, selected_rows=selected,
                       batch_free=batch_free)
 
-
-def _reached_by_an_input(n: fx.Node) -> bool:
-    seen, stack = set(), [n]
-    while stack:
-        m = stack.pop()
-        if m.op == "placeholder":
-            return True
-        stack.extend(a for a in m.all_input_nodes if a not in seen)
-        seen.update(m.all_input_nodes)
-    return False

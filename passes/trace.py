@@ -401,12 +401,14 @@ def _attribute_outputs_through_an_op(gm: fx.GraphModule) -> None:
     node: no stage sent it, and the step waited for it forever. It is returned through ``aten.alias``, a view autograd
     hands the gradient through, computed by a stage as any node is."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    for attribute in [n for n in output.all_input_nodes if n.op == "get_attr"]:
+    attributes = [n for n in output.all_input_nodes if n.op == "get_attr"]
+    for attribute in attributes:
         with gm.graph.inserting_before(output):
             alias = gm.graph.call_function(torch.ops.aten.alias.default, (attribute,))
         alias.meta = {"val": attribute.meta.get("val")}
         output.replace_input_with(attribute, alias)
-    gm.recompile()
+    if attributes:
+        gm.recompile()
 
 
 def _batch_rows(arguments: dict[str, Any], batch: int, rows: int) -> dict[str, Any]:

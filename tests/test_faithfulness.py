@@ -1292,8 +1292,9 @@ def test_an_output_list_of_one_tensor_a_sample_is_as_long_as_the_batch():
 
 
 class ReturnsItsWeights(nn.Module):
-    """Returns, beside its prediction, values no input reaches: a parameter and a buffer as they are (fx records them as
-    attributes, no stage's node) and a statistic of the weights."""
+    """Returns, beside its prediction, values no batch input reaches: a parameter and a buffer as they are (fx records
+    them as attributes, no stage's node), a statistic of the weights, and one of an input without the batch, which
+    every micro-batch gets whole."""
 
     def __init__(self):
         super().__init__()
@@ -1301,24 +1302,26 @@ class ReturnsItsWeights(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(2.6592))
         self.register_buffer("codebook_usage", torch.arange(3.0))
 
-    def forward(self, x):
+    def forward(self, x, temperature):
         logits = self.last(torch.tanh(self.first(x))) * self.logit_scale.exp()
-        return logits, self.logit_scale, self.codebook_usage, self.first.weight.pow(2).sum(0)
+        return logits, self.logit_scale, self.codebook_usage, self.first.weight.pow(2).sum(0), \
+            self.last.weight.sum(0) / temperature
 
 
 @pytest.mark.parametrize("chunks", [3, 4])
 @pytest.mark.parametrize("route", ["fx", "export"])
-def test_outputs_no_input_reaches_are_the_plain_models_and_get_their_gradient_once(route, chunks):
+def test_outputs_no_batch_input_reaches_are_the_plain_models_and_get_their_gradient_once(route, chunks):
     """Such an output was waited for forever (no stage sent it) or was a mean over micro-batches; it is each micro-batch's
     same value, taken once, and its gradient reaches the weights once."""
     torch.manual_seed(0)
     model, x = ReturnsItsWeights().double(), torch.randn(12, 8, dtype=torch.float64)
+    temperature = torch.tensor(0.7, dtype=torch.float64)
     plain = copy.deepcopy(model)
-    loss_of = lambda out: out[0].square().sum() + 3 * out[1] + out[3].sum()
-    expected = plain(x)
+    loss_of = lambda out: out[0].square().sum() + 3 * out[1] + out[3].sum() + out[4].sum()
+    expected = plain(x, temperature)
     loss_of(expected).backward()
     pipe = autopipe.compile(model, devices=2, chunks=chunks, route=route)
-    got = pipe(x)
+    got = pipe(x, temperature)
     for g, e in zip(got, expected):
         assert torch.equal(g, e) if g.dim() < 2 else torch.allclose(g, e, rtol=1e-13, atol=0)
     loss_of(got).backward()

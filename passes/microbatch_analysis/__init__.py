@@ -42,6 +42,9 @@ class MicroBatchAnalysis:
     mixed: dict[str, tuple[str, str]] = field(default_factory=dict)
     # batch rows that depend on other samples: warned at compile (across_micro_batches.py)
     across_micro_batches: list[str] = field(default_factory=list)
+    # an output no batch input reaches (a parameter returned as it is, a norm of the weights): each micro-batch
+    # computes the plain model's value (facts.from_batch)
+    batch_free: set[str] = field(default_factory=set)
 
     def merge_notes(self, outputs: Iterable[str]) -> list[str]:
         """The plan's notes on how these outputs merge: each merged as a weighted mean it cannot show is exact, then
@@ -73,6 +76,7 @@ def analyse_micro_batches(traced: TracedModel) -> MicroBatchAnalysis:
     """Every rule over ``traced``'s graph, whose nodes carry trace's batch facts."""
     gm = traced.graph_module
     batch = from_batch(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
     merges, counted = scalar_merges(gm, batch)
     interleaved = interleaved_rows(gm)
     misread, selected = selections_misread(gm, batch, interleaved, set(counted))
@@ -80,4 +84,5 @@ def analyse_micro_batches(traced: TracedModel) -> MicroBatchAnalysis:
         scalar_merges={n.name: how for n, how in merges.items()}, counts={n.name: c for n, c in counted.items()},
         together={n.name for n in samples_together(gm, batch)}, selected={n.name for n in selected},
         mixed={n.name: why for n, why in samples_mixed(gm, batch, interleaved, misread).items()},
-        across_micro_batches=across_micro_batches(gm))
+        across_micro_batches=across_micro_batches(gm),
+        batch_free={n.name for n in output.all_input_nodes if n not in batch})
