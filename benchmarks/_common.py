@@ -20,6 +20,7 @@ import datetime as _dt
 import gc
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -219,6 +220,19 @@ def write(name: str, text: str, *, quick: bool, results_dir: Path = RESULTS) -> 
     path.write_text(text + "\n")
     progress(f"wrote {path}")
     return path
+
+
+def gpu_name(device: torch.device) -> str:
+    """The GPU's name as result files carry it (gpu_<gpu>.txt; .ci/gpu.sh names its files alike): lower case, each
+    run of other characters one underscore."""
+    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+
+
+def write_file(path: Path, text: str) -> None:
+    """``text`` into ``path``, its folder made, and a line on stderr saying so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    progress(f"wrote {path}")
 
 
 def timing_line(t: Timings) -> str:

@@ -25,7 +25,6 @@ stages' stream, so its bubble and overlap are GPU time (on the CPU smoke test, h
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -152,11 +151,9 @@ def main(argv=None) -> int:
     print(text, flush=True)
     out = args.out
     if out is None and device.type == "cuda" and not args.tiny:
-        out = C.RESULTS / f"gpu_{re.sub(r'[^a-z0-9]+', '_', torch.cuda.get_device_name(device).lower()).strip('_')}.txt"
+        out = C.RESULTS / f"gpu_{C.gpu_name(device)}.txt"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        C.progress(f"wrote {out}")
+        C.write_file(out, text)
     return 0
 
 
@@ -179,12 +176,9 @@ def slices_main(args, device: torch.device) -> int:
     print(text, flush=True)
     out = args.out
     if out is None and device.type == "cuda" and not args.tiny:
-        name = re.sub(r'[^a-z0-9]+', '_', torch.cuda.get_device_name(device).lower()).strip('_')
-        out = C.RESULTS / f"gpu_slices_{name}.txt"
+        out = C.RESULTS / f"gpu_slices_{C.gpu_name(device)}.txt"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        C.progress(f"wrote {out}")
+        C.write_file(out, text)
     return 0
 
 

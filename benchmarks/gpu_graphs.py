@@ -17,7 +17,6 @@ Summary lines, for each model: ``graphs: <model> K=1 M=8: <R>x the eager loop`` 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -139,10 +138,9 @@ def main(argv=None) -> int:
     print(text, flush=True)
     out = args.out
     if out is None and not args.tiny:
-        out = C.RESULTS / f"gpu_graphs_{re.sub(r'[^a-z0-9]+', '_', torch.cuda.get_device_name(device).lower())}.txt"
+        out = C.RESULTS / f"gpu_graphs_{C.gpu_name(device)}.txt"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        C.write_file(out, text)
     return 0
 
 

@@ -129,13 +129,9 @@ def main(argv=None) -> int:
     print(text, flush=True)
     out = args.out
     if out is None and not args.quick:
-        name = "cpu" if device.type == "cpu" else \
-            "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name(device).lower()).strip("_")
-        out = args.results_dir / f"host_cost_{name}.txt"
+        out = args.results_dir / f"host_cost_{'cpu' if device.type == 'cpu' else C.gpu_name(device)}.txt"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        C.progress(f"wrote {out}")
+        C.write_file(out, text)
     return 0
 
 

@@ -10,12 +10,12 @@ Import from the repository root (pytest's ``pythonpath``; the benchmarks and tes
 root on ``sys.path`` themselves). The examples do not use it: each shows a user's own model, self-contained.
 """
 from zoo.models import (GPT, MLP, UNet, DataclassModel, ExpertStack, KwargsModel, ResBlock, ResNet, ResNet50, RonnebergerUNet,
-                        MaskedStack, SelfAttention, TransformerBlock, TransformerLike, TwoInputs, ViT, build, cnn_like, init_weights,
+                        MaskedStack, ScaledByItem, SelfAttention, TransformerBlock, TransformerLike, TwoInputs, ViT, build, cnn_like, init_weights,
                         random_inputs, scalar_loss, tensor_leaves, transformer_like)
 from zoo.thirdparty import ZOO, Example
 
 __all__ = [
     "GPT", "MLP", "UNet", "DataclassModel", "ExpertStack", "KwargsModel", "MaskedStack", "ResBlock", "ResNet", "ResNet50", "RonnebergerUNet",
-    "SelfAttention", "TransformerBlock", "TransformerLike", "TwoInputs", "ViT", "build", "cnn_like", "init_weights",
+    "ScaledByItem", "SelfAttention", "TransformerBlock", "TransformerLike", "TwoInputs", "ViT", "build", "cnn_like", "init_weights",
     "random_inputs", "scalar_loss", "tensor_leaves", "transformer_like", "ZOO", "Example",
 ]

@@ -387,6 +387,21 @@ class MaskedStack(nn.Module):
         return x
 
 
+class ScaledByItem(nn.Module):
+    """Four layers; the third divides by a value read back to the host (``.item()``): no CUDA graph can hold it."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 2:
+                x = x / x.abs().max().item()
+        return x
+
+
 class RoutedExperts(nn.Module):
     """A mixture of experts as users write it: each expert takes the rows routed to it, a number that depends on the router's values, and
     its output goes back where the rows came from. ``how``: ``x[mask]`` and ``out[mask] = y`` (top-1, which fx cannot trace); ``nonzero``

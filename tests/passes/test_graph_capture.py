@@ -5,22 +5,7 @@ import torch
 import torch.nn as nn
 
 import autopipe
-from zoo import GPT, build, random_inputs
-
-
-class ScaledByItem(nn.Module):
-    """Four layers; the third divides by a value read back to the host (``.item()``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = torch.relu(layer(x))
-            if i == 2:
-                x = x / x.abs().max().item()
-        return x
+from zoo import GPT, ScaledByItem, build, random_inputs
 
 
 class ToHost(nn.Module):

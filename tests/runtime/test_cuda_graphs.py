@@ -18,10 +18,8 @@ import autopipe
 from autopipe.runtime.cuda_graphs import GraphedStageRunner, graph_slots
 from autopipe.runtime.schedule import Schedule
 from autopipe.runtime.task import checkpoints
-from zoo import GPT
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-CUDA = "cuda:0"
+from test_cuda import CUDA, cuda, no_tf32  # noqa: F401 (no_tf32: an autouse fixture, TF32 off in every test here)
+from zoo import GPT, ScaledByItem
 
 
 # -- on the CPU ---------------------------------------------------------------------------------------------------
@@ -52,14 +50,6 @@ def test_unsupported_combinations_are_refused_by_name(options, match):
 
 
 # -- on a GPU -----------------------------------------------------------------------------------------------------
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
 
 def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -153,23 +143,10 @@ def test_a_recompute_inside_a_graph_replays_its_forward_bit_for_bit():
     assert replays(kept) and replays(recomputed)
 
 
-class ScaledByItem(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = torch.relu(layer(x))
-            if i == 2:
-                x = x / x.abs().max().item()
-        return x
-
-
 @cuda
 def test_a_stage_with_item_runs_eagerly_and_its_plan_says_why():
     torch.manual_seed(0)
-    model = ScaledByItem().to(CUDA)
+    model = ScaledByItem(width=32).to(CUDA)
     reference = copy.deepcopy(model)
     x = torch.randn(8, 32, device=CUDA)
     pipe = autopipe.compile(model, devices=[CUDA] * 4, chunks=4, cuda_graphs=True, example_inputs=(x,))
