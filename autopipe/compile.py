@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopipe.global_state import preserved_global_state
+from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
@@ -151,11 +151,12 @@ def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[tor
 
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
-               after_codegen: Callable[[list], None] | None = None) -> Compiled:
+               after_codegen: Callable[[list], None] | None = None, cut_of: Plan | None = None) -> Compiled:
     """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per
     micro-batch size. ``before_codegen(plan)``: where the torchrun runtime materialises its meta weights.
     ``after_codegen(stages)``: where compile places the tensors the stages read on their devices, before the runners
-    look at where they are."""
+    look at where they are. ``cut_of``: a plan of the same model at other input shapes whose cut to keep (the torchrun
+    runtime's, Note [one cut for every shape])."""
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)
 
@@ -181,7 +182,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         with progress.run("partition") as report:
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
-                             analysis=analysis)
+                             analysis=analysis, cut_of=cut_of)
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
@@ -207,7 +208,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         return compiled
 
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
-    with preserved_global_state(), torch.inference_mode(False):
+    with preserved_global_state(), torch.inference_mode(False), autocast_cache_off():
         n_params = sum(p.numel() for p in model.parameters())
         progress.say(f"planning {type(model).__name__} ({n_params / 1e6:,.1f} M parameters) as {len(options.devices)} "
                      f"stages x {options.chunks} micro-batches")
@@ -304,7 +305,7 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
                          f"memory: give memory_cap (bytes per device)")
     progress = Progress(options.verbose)
     args, kwargs = _on_model_device(model, args, kwargs)  # as run_passes: a GPU model's CPU example batch
-    with preserved_global_state(), torch.inference_mode(False):
+    with preserved_global_state(), torch.inference_mode(False), autocast_cache_off():
         traced, analysis, costed = _trace_analyse_and_cost(model, args, kwargs, options, None, progress)
         K = len(devices)
 

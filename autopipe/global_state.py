@@ -191,3 +191,18 @@ class preserved_global_state(contextlib.ContextDecorator):
                 raise leak
             if hasattr(error, "add_note"):  # Python >= 3.11
                 error.add_note(f"autopipe.global_state: {leak}")
+
+
+@contextlib.contextmanager
+def autocast_cache_off():
+    """Note [autocast cache]: autocast keeps the low-precision cast of each leaf tensor that requires grad (a
+    parameter) for as long as its region lasts, keyed by the tensor. Compiling inside the caller's autocast runs the
+    model on fake tensors; a cast it left in the cache is a FakeTensor that the caller's next op on that parameter,
+    in the same region, would get (``F.linear(x, w)`` returning a FakeTensor). The passes run with the cache off, so
+    they neither leave fake casts nor read the caller's real ones; the caller's setting comes back on exit."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)

@@ -23,9 +23,11 @@ __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cu
 
 def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.device] | None = None, chunks: int = 1,
               balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None,
-              notes: Sequence[str] = (), analysis: MicroBatchAnalysis | None = None) -> Plan:
+              notes: Sequence[str] = (), analysis: MicroBatchAnalysis | None = None,
+              cut_of: Plan | None = None) -> Plan:
     """``n_stages`` contiguous stages of ``costed``'s graph. ``analysis``: the micro-batch analysis of its graph (run
-    here where not given)."""
+    here where not given). ``cut_of``: a plan of the same model traced at other input shapes: its cut is kept where
+    this graph has the same nodes (each node in the stage it had there), else the cut is solved anew."""
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
@@ -54,7 +56,10 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
                 readers.setdefault(p, set()).add(i)
         shared = [(costed.tensor_bytes[p] * (4.0 if _is_param(gm, p) else 1.0), sorted(r)) for p, r in readers.items()]
     weights = [sum(weight_of[m] for m in groups[n]) for n in order]
-    if isinstance(balance, str):
+    kept = _starts_as(cut_of, order, groups, n_stages) if cut_of is not None else None
+    if kept is not None:
+        starts, optimum = kept, float("nan")
+    elif isinstance(balance, str):
         solution = solve_cuts(CutProblem(weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages,
                                          tolerance=tolerance, shared_memory=shared, memory_cap=memory_cap,
                                          activation_multiplier=float(chunks)))
@@ -70,6 +75,22 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     if chunks > 1:
         plan.notes.extend(analysis.merge_notes(name for name, info in plan.tensors.items() if info.is_output))
     return plan
+
+
+def _starts_as(cut_of: Plan, order: list[fx.Node], groups: dict[fx.Node, list[fx.Node]],
+               n_stages: int) -> list[int] | None:
+    """The first position in ``order`` of each stage of ``cut_of``, where each group's nodes are all in one stage there
+    and the stages follow the order; None where the graphs differ."""
+    stage_of = {name: sp.index for sp in cut_of.stages for name in sp.nodes}
+    positions = []
+    for n in order:
+        stages = {stage_of.get(m.name) for m in groups[n]}
+        if len(stages) != 1 or None in stages:
+            return None
+        positions.append(stages.pop())
+    if len(cut_of.stages) != n_stages or positions != sorted(positions) or set(positions) != set(range(n_stages)):
+        return None
+    return [positions.index(s) for s in range(n_stages)]
 
 
 def _groups(every: list[fx.Node], free: set[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, list[fx.Node]]]:

@@ -327,3 +327,21 @@ def test_llama_trace_and_cost_inside_the_guard_leave_grad_mode_on():
     with preserved_global_state():
         cost(trace(model, (ids,), route="export"))
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_compiling_inside_autocast_leaves_no_fake_cast_in_its_cache(route):
+    """Note [autocast cache]: the passes' fake runs would leave FakeTensor casts of the real parameters in the cache
+    of the caller's autocast region, which the caller's own next op on a parameter then returns."""
+    import torch.nn.functional as F
+
+    import autopipe
+    from zoo import GPT
+    # the model's initialisation and the step's seed are no leak of the passes'
+    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", dtype=torch.bfloat16):
+        model = GPT(vocab=64, d=32, heads=4, layers=2, block=16, dropout=0.0)
+        ids = torch.randint(0, 64, (4, 16))
+        pipe = autopipe.compile(model, devices=2, chunks=2, route=route, example_inputs=(ids,))
+        weight = model.blocks[0].fc.weight
+        assert type(F.linear(torch.randn(3, 32), weight)) is torch.Tensor
+        assert type(pipe(ids)) is torch.Tensor

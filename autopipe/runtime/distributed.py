@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
+import json
 import math
 import os
 import warnings
@@ -14,12 +16,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from . import microbatch
+from .clipping import clip_grad_norm_
 from .loss import Loss, scaled
 from .p2p import P2PTransport, PipelineError
-from .pipeline import Pipeline
-from .step import model_loss
+from .pipeline import Pipeline, check_same_kinds, signature_key
+from .step import Program, model_loss
 from .schedule import Schedule, device_of_stage
 from .task import StageRunner, StepState, accumulate_grads
 from .wire import WireSpec
@@ -73,6 +77,44 @@ def _tensor(module: torch.nn.Module, name: str, missing: Any = _REQUIRED) -> tor
         return missing
 
 
+@dataclasses.dataclass
+class _RankProgram:
+    """One input signature's program as this rank runs it: its stages, their runners, what travels between ranks."""
+
+    program: Program
+    spec: WireSpec
+    stages: dict[int, Any]              # this rank's, by stage index
+    runners: dict[int, StageRunner]
+    arguments: list[tuple[str, str]]    # the call it was compiled for (``_described``)
+
+
+def _described(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each argument leaf by name (``input_ids``, ``past[0]``) and its shape and dtype, or its value."""
+    try:
+        arguments = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    except TypeError:
+        arguments = {"args": tuple(args), **kwargs}
+    described = [("the model's mode", "training" if model.training else "eval")]
+    for name, value in arguments.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            what = f"of shape {tuple(leaf.shape)} ({leaf.dtype})" if isinstance(leaf, torch.Tensor) else repr(leaf)
+            described.append((f"argument {name}{pytree.keystr(path)}", what[:100]))
+    return described
+
+
+def _same_parameters(first: _RankProgram, plan, arguments: list[tuple[str, str]]) -> None:
+    """Note [one cut for every shape]: refused where a new shape's stages would hold other parameters than the first
+    shape's (its graph is not the first one's, so its cut could not be kept)."""
+    for a, b in zip(first.program.plan.stages, plan.stages):
+        if set(a.params) != set(b.params):
+            moved = sorted(set(a.params) ^ set(b.params))[0]
+            name, now, then = next(((x, y, z) for (x, y), (_, z) in zip(arguments, first.arguments) if y != z),
+                                   ("the call", "new", "the first"))
+            raise ValueError(f"{name} is {now} where it was {then}, and the model traces to another graph that moves "
+                             f"{moved} off stage {a.index}: under torchrun a rank keeps its first stage's parameters; "
+                             f"pad inputs to shapes that trace alike (docs/torchrun.md)")
+
+
 class DistributedPipeline(torch.nn.Module):
     """This rank's stages of a pipeline compiled under torchrun. ``pipe.step(...)`` runs a step."""
 
@@ -95,7 +137,13 @@ class DistributedPipeline(torch.nn.Module):
         self.rank_of = functools.partial(device_of_stage, options.schedule, self.n_ranks)  # a stage's rank, 0..K-1
         self.stage_indices = [s for s in range(len(options.devices)) if self.rank_of(s) == self.stage_index]
         self._run_passes = run_passes
-        self._program = None
+        self._programs: dict[tuple, _RankProgram] = {}  # by input signature (pipeline.signature_key)
+        self._current: _RankProgram | None = None
+        self._transport: P2PTransport | None = None
+        self._shared: list[tuple[str, dist.ProcessGroup, list[int]]] = []
+        self._id = next(_PIPELINE_IDS)
+        self._signatures = dist.PrefixStore(f"autopipe/{self._id}/signatures",
+                                            dist.distributed_c10d._get_default_store())
         self._schedule = functools.cache(lambda chunks: Schedule.build(self.schedule_name, self.n_ranks, chunks,
                                                                        options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
@@ -118,10 +166,10 @@ class DistributedPipeline(torch.nn.Module):
         return [self._built().stages[s] for s in self.stage_indices]
 
     def _built(self):
-        if self._program is None:
+        if self._current is None:
             raise RuntimeError("the pipeline compiles on its first step: call pipe.step(...) once, or pass "
                                "example_inputs to autopipe.compile")
-        return self._program
+        return self._current.program
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's parameters under the model's own names."""
@@ -151,30 +199,83 @@ class DistributedPipeline(torch.nn.Module):
                 f"checkpoint={self.options.checkpoint!r})")
 
     def close(self) -> None:
-        if self._program is not None:
+        if self._transport is not None:
             self._transport.close()
 
-    def compile_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        compiled = self._run_passes(self.model, args, kwargs, self.options, before_codegen=self._materialize)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """The plain model's ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``: the norm over every stage of
+        the pipeline, each tied weight counted once, and every rank scaled by it; returns that norm on every rank
+        (Note [clipping over ranks], runtime/clipping.py). Call it on every rank, after the step."""
+        elsewhere = {id(_tensor(self.model, name)) for name, _, ranks in self._shared if ranks[0] != self.rank}
+        mine = list(self.parameters())
+        return clip_grad_norm_(mine, max_norm, norm_type, counted=[p for p in mine if id(p) not in elsewhere],
+                               group=self.pipeline_groups[self.replica], device=self.options.devices[0],
+                               error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+    def compile_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> _RankProgram:
+        """The program of these arguments' signature (``pipeline.signature_key``), compiled on first sight: every rank
+        of the replica is called with the same arguments, so each plans the same program at the same step."""
+        key = signature_key(self.model, args, kwargs)
+        known = self._programs.get(key)
+        if known is None:
+            known = self._programs[key] = self._compile(args, kwargs)
+        if known is not self._current:
+            self._transport.use(known.spec, known.stages)
+            self._current = known
+        return known
+
+    def _compile(self, args: Sequence[Any], kwargs: dict[str, Any]) -> _RankProgram:
+        """A new input signature's program. Note [one cut for every shape]: a rank holds its stages' parameters and the
+        optimizer the user built over them, so every later program keeps the first program's cut (partition's
+        ``cut_of``), and is refused where its stages would hold other parameters."""
+        arguments = self._agree_on_arguments(args, kwargs)
+        first = next(iter(self._programs.values()), None)
+        if first is not None:
+            check_same_kinds(first.program.traced, self.options.chunks, args, kwargs)
+        compiled = self._run_passes(self.model, args, kwargs, self.options, before_codegen=self._materialize,
+                                    cut_of=None if first is None else first.program.plan)
         if len(compiled.programs) > 1:
             raise NotImplementedError("this model specialises on the batch size and the batch does not divide into "
                                       "equal micro-batches; under torchrun use a batch divisible by chunks")
         program = compiled.main
+        if first is not None:
+            _same_parameters(first, program.plan, arguments)
         stages = {s: program.stages[s] for s in self.stage_indices}
-        self._transport = P2PTransport(WireSpec.from_plan(program.plan), stages, timeout=self.timeout,
-                                       group=self.pipeline_groups[self.replica],
-                                       downward=self.downward_groups[self.replica], rank_of=self.rank_of,
-                                       name=f"autopipe/{next(_PIPELINE_IDS)}/{self.replica}")
-        self._runners = {s: StageRunner(stage) for s, stage in stages.items()}
-        self._shared = []  # (name, group) of each tied parameter this rank holds with other ranks of its replica
-        for p in range(self.data_parallel):  # every rank creates every group, in the same order
-            for name, holders in sorted(program.plan.shared_params.items()):
+        spec = WireSpec.from_plan(program.plan)
+        if self._transport is None:
+            self._transport = P2PTransport(spec, stages, timeout=self.timeout, group=self.pipeline_groups[self.replica],
+                                           downward=self.downward_groups[self.replica], rank_of=self.rank_of,
+                                           name=f"autopipe/{self._id}/{self.replica}")
+            self._tie(program.plan)
+        return _RankProgram(program, spec, stages, {s: StageRunner(stage) for s, stage in stages.items()}, arguments)
+
+    def _agree_on_arguments(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+        """Before a new program is planned, every rank of the replica checks that the others were called with the same
+        argument shapes: a rank planning another program would send messages of other sizes."""
+        mine = _described(self.model, args, kwargs)
+        n, store = len(self._programs), self._signatures
+        store.set(f"{n}/{self.rank}", json.dumps(mine))
+        for q in range(self.replica * self.n_ranks, (self.replica + 1) * self.n_ranks):
+            theirs = [tuple(d) for d in json.loads(store.get(f"{n}/{q}").decode())]
+            if theirs != mine:
+                name, here, there = next(((a, b, c) for (a, b), (_, c) in zip(mine, theirs) if b != c),
+                                         ("the arguments", len(mine), len(theirs)))
+                raise ValueError(f"rank {self.rank}: {name} is {here} here but {there} on rank {q}: call pipe.step "
+                                 f"with the same arguments on every rank of a pipeline (docs/torchrun.md)")
+        return mine
+
+    def _tie(self, plan) -> None:
+        """A process group per tied parameter held by several ranks of a replica (every rank creates every group, in
+        the same order, as torch.distributed requires): its gradients are summed there after each step."""
+        self._shared = []  # (name, group, ranks) of each tied parameter this rank holds with other ranks of its replica
+        for p in range(self.data_parallel):
+            for name, holders in sorted(plan.shared_params.items()):
                 ranks = sorted({p * self.n_ranks + self.rank_of(s) for s in holders})
                 if len(ranks) > 1:  # all on one rank: summed there
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
-                        self._shared.append((name, group))
-        self._program = program
+                        self._shared.append((name, group, ranks))
 
     def _materialize(self, plan) -> None:
         """A model built on meta: create and initialise only this rank's tensors (architecture.md, "Meta models")."""
@@ -207,9 +308,9 @@ class DistributedPipeline(torch.nn.Module):
         """Forward and backward of all micro-batches in schedule order on every rank. Call it with the same arguments on
         every rank (each stage reads only the inputs its nodes use). Returns the mini-batch loss on the last stage's
         ranks, None elsewhere."""
-        if self._program is None:
-            self.compile_for(args, kwargs)
-        traced, transport, runners = self._program.traced, self._transport, self._runners
+        current = self.compile_for(args, kwargs)
+        program, transport, runners = current.program, self._transport, current.runners
+        traced = program.traced
         flat = traced.flat_inputs(args, kwargs)
         traced.check_grad_flags(self.model, flat)
         sizes = microbatch.micro_batch_sizes(flat[0].shape[0], self.options.chunks)
@@ -222,8 +323,8 @@ class DistributedPipeline(torch.nn.Module):
         last, loss = len(self.options.devices) - 1, None
         if last in runners:
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output,
-                        targets=microbatch.split_target(target, sizes), sizes=sizes, plan=self._program.plan,
-                        output_counts=[self._program.count_targets(row) for row in rows])
+                        targets=microbatch.split_target(target, sizes), sizes=sizes, plan=program.plan,
+                        output_counts=[program.count_targets(row) for row in rows])
         for runner in runners.values():
             runner.start_step(state)
         transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
@@ -241,7 +342,7 @@ class DistributedPipeline(torch.nn.Module):
         the whole count, which only the last stage's rank knows (runtime/loss.py)."""
         scale = loss.grad_scale if loss is not None else None
         if self.n_ranks > 1:
-            device = next(iter(self._runners.values())).stage.device
+            device = self.options.devices[0]
             box = torch.tensor([math.nan if scale is None else scale], dtype=torch.float64, device=device)
             last_rank = self.replica * self.n_ranks + self.rank_of(len(self.options.devices) - 1)
             dist.broadcast(box, src=last_rank, group=self.pipeline_groups[self.replica])
@@ -249,7 +350,7 @@ class DistributedPipeline(torch.nn.Module):
         return scale
 
     def _reduce_gradients(self) -> None:
-        for name, group in self._shared:
+        for name, group, _ in self._shared:
             p = _tensor(self.model, name)  # by its canonical name; the stage may know it by another
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -55,7 +55,8 @@ def _run_in_order(tasks, runners, transport: Transport, step: StepState, loss, s
                 if task.kind == "F":
                     transport.send_outputs(task.stage, i, runner.forward(step, i, *transport.inputs(task.stage, i)))
                     if loss is not None and task.stage == loss.last_stage:
-                        loss.run(i, transport)
+                        with step.ambient.entered(runner.stage.device):
+                            loss.run(i, transport)
                 elif task.kind == "B":
                     runner.rematerialise(step, i)  # needs only the saved inputs: before waiting for gradients
                     grads = transport.output_grads(task.stage, i)

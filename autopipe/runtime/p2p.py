@@ -43,11 +43,6 @@ class P2PTransport(Transport):
         self.nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
         self.wire_device, self.pinned = (device, False) if self.nccl else (torch.device("cpu"), device.type == "cuda")
         self.timeout = timedelta(seconds=timeout)
-        self._tags = {e.name: k for k, e in enumerate(spec.edges)}
-        self._edges = {e.name: e for e in spec.edges}
-        # remote values this rank reads, each received once, by its first local reader
-        self._in = {e.name: e for t in sorted(stages) for e in spec.into(t) if not self._local(e.src)}
-        self._first_reader = {n: min(d for d in e.dsts if self._local(d)) for n, e in self._in.items()}
         self._store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
         self._failed: str | None = None   # set once this pipeline is dead
         self._remote: str | None = None   # set by the watchdog: another rank's report
@@ -57,19 +52,34 @@ class P2PTransport(Transport):
         # Clear a stale wake-up before the spec check, which no rank leaves before every rank has entered it: no failure
         # report can be lost.
         self._store.delete_key(f"wake/{self.rank}")
-        mine = spec.digest()
-        self._store.set(f"spec/{self.rank}", mine)
-        for q in range(self.world):
-            if (theirs := self._store.get(f"spec/{q}").decode()) != mine:
-                raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
-                                 f"call compile and step with the same model and arguments on every rank")
+        self._specs: dict[str, int] = {}  # each spec this rank checked against the others, in order
+        self.use(spec, stages)
         self._steps, self._poisoned = 0, False
-        self._plans: dict[Schedule, tuple] = {}  # _messages per schedule
+        self._plans: dict[tuple[str, Schedule], tuple] = {}  # _messages per spec (its digest) and schedule
         self._poison_lock = threading.Lock()
         self._wd_stop = threading.Event()
         self._wd = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         if self.world > 1:
             self._wd.start()
+
+    def use(self, spec: WireSpec, stages: dict[int, Any]) -> None:
+        """Carry the messages of ``spec`` between ``stages`` from the next step on: one spec per compiled program (an
+        input signature). Every rank checks a new spec against every other's before any message of it is sent."""
+        self.spec, self.stages = spec, stages
+        self._tags = {e.name: k for k, e in enumerate(spec.edges)}
+        self._edges = {e.name: e for e in spec.edges}
+        # remote values this rank reads, each received once, by its first local reader
+        self._in = {e.name: e for t in sorted(stages) for e in spec.into(t) if not self._local(e.src)}
+        self._first_reader = {n: min(d for d in e.dsts if self._local(d)) for n, e in self._in.items()}
+        self._digest = mine = spec.digest()
+        if mine in self._specs:
+            return
+        self._specs[mine] = k = len(self._specs)
+        self._store.set(f"spec/{k}/{self.rank}", mine)
+        for q in range(self.world):
+            if (theirs := self._store.get(f"spec/{k}/{q}").decode()) != mine:
+                raise ValueError(f"rank {self.rank}: rank {q} planned a different pipeline ({theirs} != {mine}); "
+                                 f"call compile and step with the same model and arguments on every rank")
 
     def _local(self, stage: int) -> bool:
         return self.rank_of(stage) == self.rank
@@ -88,9 +98,10 @@ class P2PTransport(Transport):
         self.grads: list[dict[tuple[str, int], Any]] = [{} for _ in sizes]  # by (value, reader stage)
         self.final_grads: list[dict[str, Any]] = [{} for _ in sizes]  # the loss's, by model output
         self.sends: list = []
-        if schedule not in self._plans:
-            self._plans[schedule] = self._messages(schedule)
-        self.order, self.reading, self.needs, self.peer_sends = self._plans[schedule]
+        plan_key = (self._digest, schedule)
+        if plan_key not in self._plans:
+            self._plans[plan_key] = self._messages(schedule)
+        self.order, self.reading, self.needs, self.peer_sends = self._plans[plan_key]
         self.posted: dict[tuple, tuple] = {}  # receives posted, by message
         self.cursor = {q: 0 for q in self.peer_sends}  # how far each peer's sends have matching receives
         try:

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from autopipe.passes.trace import InputMismatch, batch_rows, carries_batch
 
 from . import microbatch
+from .clipping import clip_grad_norm_
 from .memory import MemoryReport
 from .schedule import Schedule, Task, stages_per_device
 from .step import Anchor, Compiled, _PipelineFunction, _Run, model_loss
@@ -117,6 +118,14 @@ class Pipeline(torch.nn.Module):
             self._anchor_key = key
         return self._anchors
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, returning the total norm. The same call under
+        torchrun reduces the norm over every stage's rank (Note [clipping over ranks], runtime/clipping.py), so a
+        training loop is the same in both."""
+        return clip_grad_norm_(self.model.parameters(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                               foreach=foreach)
+
     def save_code(self, directory) -> list[str]:
         """Write one ``stage_<i>.py`` per stage; returns the paths."""
         return [stage.save(directory) for stage in self.stages]
@@ -128,59 +137,21 @@ class Pipeline(torch.nn.Module):
 
     # -- running ----------------------------------------------------------------
     def compile_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled:
-        key = self._key(args, kwargs)
+        key = signature_key(self.model, args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
             if self._current is not None:
-                self._check_same_kinds(self._current, args, kwargs)
+                check_same_kinds(self._current.traced, self.chunks, args, kwargs)
             compiled = self._build(args, kwargs)
             self._compiled[key] = compiled
         self._current = compiled
         return compiled
 
-    def _check_same_kinds(self, compiled: Compiled, args, kwargs) -> None:
-        """A new shape or a different set of keyword arguments re-plans; a tensor argument that became something else,
-        or a tensor given whole to every micro-batch whose dim 0 now equals the batch (or the other way round), is a
-        mistake, named here before anything runs."""
-        signature = compiled.traced.signature
-        try:
-            now = signature.bind(*args, **kwargs).arguments
-        except TypeError as e:
-            raise TypeError(f"the pipeline's model cannot take these arguments: {e}") from None
-        before = compiled.traced.example_arguments
-        for name, value in now.items():
-            was = before.get(name)
-            if isinstance(was, torch.Tensor) and value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(f"argument {name!r} must be a tensor (it was one when the pipeline was compiled), got "
-                                f"{type(value).__name__}")
-        try:
-            flat = compiled.traced.flatten_inputs(now)
-        except InputMismatch:
-            return  # other arguments: planned anew
-        batch = flat[0].shape[0] if flat[0].dim() else None
-        if batch is None or min(batch, self.chunks) < 2:  # one micro-batch: cut or whole, it gets all of it
-            return
-        for name, t, was in zip(compiled.traced.input_names, flat, compiled.traced.batch_inputs):
-            if carries_batch(t, batch) != was:
-                raise InputMismatch(
-                    f"argument {name!r} of shape {tuple(t.shape)} "
-                    f"{'was cut into micro-batches' if was else 'went whole to every micro-batch'} when the pipeline "
-                    f"was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): "
-                    f"autopipe cannot tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the "
-                    f"batch would be cut, and computed wrongly); use batches of another size than its dim 0, or a new "
-                    f"pipeline for these")
-
-    def _key(self, args, kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        batch = batch_rows(self.model, args, kwargs)
-        shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t))
-                       for t in leaves)
-        return (self.model.training, spec, shapes)
-
     def _prepare(self, args, kwargs) -> tuple[Compiled, list[torch.Tensor], list[int]]:
         # a call of tensors only, like one that passed every check below: its compiled program again
         seen = None if kwargs or not args or not all(type(a) is torch.Tensor for a in args) or not args[0].dim() else \
-            (self.model.training, tuple((microbatch.shape_key(a, args[0].shape[0]), a.dtype, a.device) for a in args))
+            (self.model.training, autocast_key(),
+             tuple((microbatch.shape_key(a, args[0].shape[0]), a.dtype, a.device) for a in args))
         compiled = self._seen.get(seen) if seen is not None else None
         if compiled is not None:
             vars(self)["_current"] = compiled  # past nn.Module.__setattr__, as step.py sets the timeline
@@ -243,6 +214,58 @@ class Pipeline(torch.nn.Module):
     def close(self) -> None:
         """Stop the worker threads (they also stop when the pipeline is garbage-collected)."""
         _close(self.workers)
+
+
+def signature_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    """What a compiled program is for: the model's mode, the call's structure, each tensor's shape but the batch (all
+    of a tensor given whole to every micro-batch) and every other argument's value. A call of another key plans anew;
+    the key is the same on every rank for the same arguments."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    batch = batch_rows(model, args, kwargs)
+    shapes = tuple(microbatch.shape_key(t, batch) if isinstance(t, torch.Tensor) else ("const", repr(t))
+                   for t in leaves)
+    return (model.training, autocast_key(), spec, shapes)
+
+
+def autocast_key() -> tuple:
+    """The caller's autocast, which a program is planned under: the dtypes its values cross the cuts in (the wire's
+    buffers under torchrun), and the casts the export route records."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+def check_same_kinds(traced: Any, chunks: int, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """A new shape or a different set of keyword arguments re-plans; a tensor argument that became something else,
+    or a tensor given whole to every micro-batch whose dim 0 now equals the batch (or the other way round), is a
+    mistake, named here before anything runs. ``traced``: the TracedModel of a program compiled before."""
+    signature = traced.signature
+    try:
+        now = signature.bind(*args, **kwargs).arguments
+    except TypeError as e:
+        raise TypeError(f"the pipeline's model cannot take these arguments: {e}") from None
+    before = traced.example_arguments
+    for name, value in now.items():
+        was = before.get(name)
+        if isinstance(was, torch.Tensor) and value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"argument {name!r} must be a tensor (it was one when the pipeline was compiled), got "
+                            f"{type(value).__name__}")
+    try:
+        flat = traced.flatten_inputs(now)
+    except InputMismatch:
+        return  # other arguments: planned anew
+    batch = flat[0].shape[0] if flat[0].dim() else None
+    if batch is None or min(batch, chunks) < 2:  # one micro-batch: cut or whole, it gets all of it
+        return
+    for name, t, was in zip(traced.input_names, flat, traced.batch_inputs):
+        if carries_batch(t, batch) != was:
+            raise InputMismatch(
+                f"argument {name!r} of shape {tuple(t.shape)} "
+                f"{'was cut into micro-batches' if was else 'went whole to every micro-batch'} when the pipeline "
+                f"was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): "
+                f"autopipe cannot tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the "
+                f"batch would be cut, and computed wrongly); use batches of another size than its dim 0, or a new "
+                f"pipeline for these")
 
 
 def _delegate(name: str) -> Callable:

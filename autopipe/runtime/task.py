@@ -122,6 +122,15 @@ class Ambient:
         """Nothing to re-enter around a task."""
         return not (self.autocast or self.saved_tensors_hooks)
 
+    def entered(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The caller's state re-entered around what a task runs on ``device`` (its forward, its backward, the loss of
+        ``pipe.step`` on the last stage: the plain model's loss runs in the caller's autocast too)."""
+        if self.plain:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        self.enter(stack, device)
+        return stack
+
     def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
         enabled, dtype = self.autocast.get(device.type, (False, None))
         if enabled:
@@ -394,7 +403,7 @@ class StageRunner:
             return input_grads
         begun = step.timeline.begin(self.stage.device)
         inputs = [saved.inputs[k] for k in wrt_inputs]
-        with self._ambient(step):
+        with step.ambient.entered(self.stage.device):
             if step.split_backward and wrt_inputs and mine.wrt_params:
                 got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
             else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it)
@@ -414,7 +423,7 @@ class StageRunner:
         work = mine.weights.pop(i)
         if isinstance(work, WeightWork):
             begun = step.timeline.begin(self.stage.device)
-            with self._ambient(step):
+            with step.ambient.entered(self.stage.device):
                 work = work.run()
             step.timeline.end(begun, self.index, i, "weight", self.stage.device)
         if work is not None:
@@ -429,13 +438,6 @@ class StageRunner:
                 grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams,
                                                                      step.ambient.streams))
         return roots, grads
-
-    def _ambient(self, step: StepState) -> contextlib.AbstractContextManager:
-        if step.ambient.plain:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        step.ambient.enter(stack, self.stage.device)
-        return stack
 
     def take_grads(self, step: StepState) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The step's (parameter, gradient) pairs, forgotten here: AccumulateGrad then takes each without a copy."""

@@ -181,6 +181,39 @@ def trap(rank: int, world: int):
     return pipe
 
 
+def training_loop(rank: int, world: int) -> "autopipe.DistributedPipeline":
+    """A user's loop: float64 GPT with its LM head tied to the embedding, AdamW, pipe.clip_grad_norm_ every step
+    (NORM_TYPE, MAX_NORM), sequence lengths from SEQ_LENS (dynamic padding: a new shape a step)."""
+    torch.set_default_dtype(torch.float64)
+    model = GPT(vocab=64, d=32, heads=4, layers=4, block=32, dropout=0.0)
+    torch.set_default_dtype(torch.float32)
+    seq_lens = list(map(int, os.environ.get("SEQ_LENS", "16,16,16,16").split(",")))
+    pipe = autopipe.compile(model, chunks=4, timeout=30, schedule=os.environ.get("SCHEDULE", "gpipe"),
+                            example_inputs=(torch.zeros(8, seq_lens[0], dtype=torch.long),))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    norm_type, max_norm = float(os.environ.get("NORM_TYPE", "2")), float(os.environ.get("MAX_NORM", "0.5"))
+    g = torch.Generator().manual_seed(1)
+    losses, norms, seconds = [], [], {}
+    for seq in seq_lens:
+        ids, target = torch.randint(0, 64, (8, seq), generator=g), torch.randint(0, 64, (8, seq), generator=g)
+        if os.environ.get("SKEW") and rank == world - 1 and len(losses) == 1:
+            ids, target = ids[:, :-2], target[:, :-2]  # this rank is called with other arguments than the others
+        try:
+            loss = pipe.step(ids, target=target, loss_fn=lm_loss)
+        except ValueError as e:
+            _write_error(rank, e)
+            return pipe
+        seconds.setdefault(seq, sum(pipe.plan.pass_seconds.values()))
+        norms.append(pipe.clip_grad_norm_(max_norm, norm_type).item() if max_norm > 0 else None)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    torch.save({"params": {n: p.detach().clone() for n, p in pipe.named_parameters()}, "losses": losses,
+                "norms": norms, "seconds": seconds, "programs": len(pipe._programs)},
+               os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    return pipe
+
+
 def main():
     global OUT_DIR
     scenario, OUT_DIR = sys.argv[1], sys.argv[2]
@@ -276,6 +309,8 @@ def main():
         torch.save({"grads": grads, "stages": pipe.stage_indices}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "trap":
         pipe = trap(rank, world)
+    elif scenario == "loop":
+        pipe = training_loop(rank, world)
     elif scenario == "meta":
         with torch.device("meta"):
             model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0)

@@ -246,6 +246,30 @@ def test_bf16_autocast_around_the_step_reaches_every_stage():
 
 
 @cuda
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_compiled_inside_cuda_autocast_the_step_is_the_plain_model_micro_batched_under_it(schedule):
+    """Compiled on its first call inside the caller's autocast: nothing fake reaches the caller (Note [autocast
+    cache]), and pipe.step's loss runs under that autocast, as the plain model's (cross-entropy in float32)."""
+    torch.manual_seed(0)
+    model, reference = on_gpu(GPT(dropout=None))
+    ids, targets = (t.to(CUDA) for t in tokens())
+    chunks, expected = 4, 0.0
+    for x, y in zip(ids.chunk(chunks), targets.chunk(chunks)):  # micro-batched by hand: a backward each
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            part = lm_loss(reference(x), y) * (len(x) / len(ids))
+        part.backward()
+        expected = expected + part.detach()
+    pipe = autopipe.compile(model, devices=[CUDA] * 2, chunks=chunks, schedule=schedule)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = pipe.step(ids, target=targets, loss_fn=lm_loss)
+        weight = model.blocks[0].fc.weight
+        assert type(F.linear(torch.randn(3, weight.shape[1], device=CUDA), weight)) is torch.Tensor
+    assert type(loss) is torch.Tensor and loss.dtype == torch.float32
+    assert abs(loss.item() - expected.item()) < 1e-5 * abs(expected.item())
+    assert_grads_match(model, reference, rtol=1e-3, atol=1e-3)
+
+
+@cuda
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_cpu_inputs_to_a_model_on_the_gpu(name):
     model, reference = on_gpu(build(name).eval())

@@ -1,6 +1,8 @@
 """Real torch.distributed processes on 127.0.0.1 (gloo): one stage per rank.
 
 Failures (a rank raising, killed, hung) are tested in test_p2p.py, which shares ``launch``."""
+import json
+import math
 import os
 import socket
 import subprocess
@@ -257,3 +259,40 @@ def test_meta_model_materialises_only_this_ranks_parameters(tmp_path):
     assert results[1]["loss"] == pytest.approx(lm_loss(plain(ids), target).item(), rel=1e-5)
     for r in results:  # pipe.to() is refused, as in-process: it would move this rank's stages only, not the plan
         assert "placement" in r["moved"] and r["dtypes"] == {torch.float32}
+
+
+@pytest.mark.parametrize("world,schedule,norm_type,seq_lens", [(2, "gpipe", 2.0, "16,24,12,16"),
+                                                               (4, "1f1b", math.inf, "16,16,20,16")])
+def test_a_training_loop_with_clipping_and_a_new_length_a_step_is_the_plain_models(tmp_path, world, schedule,
+                                                                                  norm_type, seq_lens):
+    """AdamW, pipe.clip_grad_norm_ every step (the norm over every stage, the tied embedding and LM head counted once)
+    and dynamic padding (a longer, then a shorter sequence: a program per shape, one cut for all): after 4 steps every
+    parameter, loss and total norm is the plain model's, in float64."""
+    from test_clipping import plain_loop
+    run = launch("loop", world, tmp_path, NORM_TYPE=norm_type, MAX_NORM=0.5, SEQ_LENS=seq_lens, SCHEDULE=schedule)
+    assert run.codes == [0] * world, run.log()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    lengths = [int(n) for n in seq_lens.split(",")]
+    params, losses, norms = plain_loop(lengths, 0.5, norm_type)
+    for r in ranks:
+        assert r["norms"] == pytest.approx(norms, rel=1e-12), "every rank scales by the plain model's norm"
+        assert r["programs"] == len(set(lengths))
+    assert min(norms) > 0.5  # clipping is active
+    assert ranks[-1]["losses"] == pytest.approx(losses, rel=1e-12)
+    seen = set()
+    for r in ranks:
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, params[name], rtol=1e-10, atol=1e-10)
+            seen.add(name)
+    assert seen == set(params)  # every parameter, the tied head under both names
+
+
+def test_ranks_called_with_other_shapes_are_refused_naming_the_argument(tmp_path):
+    """Rank 1 gets a shorter batch than rank 0 at the second step: both refuse before anything is sent, naming the
+    argument and both shapes, and exit (no gloo size error, no hang)."""
+    run = launch("loop", 2, tmp_path, MAX_NORM=0, SEQ_LENS="16,24", SKEW=1)
+    assert run.codes == [0, 0], run.log()
+    for rank, (here, there) in enumerate([((8, 24), (8, 22)), ((8, 22), (8, 24))]):
+        error = json.loads((tmp_path / f"rank{rank}.err").read_text())
+        assert error["type"] == "ValueError"
+        assert f"argument idx is of shape {here} (torch.int64) here but of shape {there}" in error["message"]
