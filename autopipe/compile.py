@@ -26,7 +26,8 @@ from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Pipeline
-from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, device_of_stage, stages_per_device
+from autopipe.runtime.schedule import (NAMES as SCHEDULES, SPLIT, Schedule, device_of_stage, is_v_layout,
+                                       stages_per_device)
 from autopipe.runtime.step import Compiled, Program
 from autopipe.runtime.streams import StageStream, as_stage_stream
 from autopipe.runtime.task import CHECKPOINT_MODES
@@ -70,7 +71,7 @@ class Options:
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.schedule in ("zb-h1", "zbv"):
+        if self.cuda_graphs and self.schedule in SPLIT:
             raise ValueError(f"cuda_graphs=True with schedule={self.schedule!r} is not supported yet: its backward is "
                              f"split in two (input gradients, then parameter gradients), which the captured backward "
                              f"does not do; use 'gpipe', '1f1b' or 'interleaved', or cuda_graphs=False")
@@ -324,8 +325,8 @@ def _choose(model, args, kwargs, options: Options, devices: Sequence[torch.devic
                 checkpoint_modes=CHECKPOINT_MODES if "checkpoint" in auto else (options.checkpoint,))
             report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of "
                                 f"{len(choice.candidates)} configurations")
-        if choice.schedule == "zbv":  # plan_for laid 2K stages round robin; zbv's device d holds stages d, 2K-1-d
-            v_devices = [devices[device_of_stage("zbv", K, s)] for s in range(2 * K)]
+        if is_v_layout(choice.schedule):  # plan_for laid 2K stages round robin; the V's device d holds d, 2K-1-d
+            v_devices = [devices[device_of_stage(choice.schedule, K, s)] for s in range(2 * K)]
             choice.chosen.plan = partition(costed, 2 * K, devices=v_devices, chunks=1, balance=options.balance,
                                            tolerance=options.tolerance, notes=traced.notes, analysis=analysis)
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))

@@ -183,10 +183,11 @@ class PredictedMemory(list):
         formula = (f"total = params + grads + optimizer ({self.optimizer or 'none'}: {OPTIMIZER_STATE[self.optimizer]} "
                    f"x trainable bytes) + kept + recompute\nkept = in_flight x (inputs/M if recomputed else "
                    f"activations/M), in_flight = micro-batches whose forward is done and backward not "
-                   f"(Schedule.max_in_flight: M for gpipe, K - s for 1f1b, K for zb-h1)\nzb-h1, zbv: a stage whose W "
-                   f"runs apart holds a micro-batch's activations (recomputed or not) and the gradients B kept for W "
-                   f"from B until W\nrecompute = activations/M of one recomputed micro-batch, held while its backward "
-                   f"runs\nactivations = what autograd saves in one forward of the stage, plus inputs no op saves")
+                   f"(Schedule.max_in_flight: M for gpipe, K - s for 1f1b, K for zb-h1)\nzb-h1, zbv, dualpipev: "
+                   f"a stage whose W runs apart holds a micro-batch's activations (recomputed or not) and the "
+                   f"gradients B kept for W from B until W\nrecompute = activations/M of one recomputed micro-batch, "
+                   f"held while its backward runs\nactivations = what autograd saves in one forward of the stage, "
+                   f"plus inputs no op saves")
         graphs = any(p.graph_slots for p in self)
         if graphs:
             formula += ("\ngraphs = slots x (activations + outputs + output and input gradients)/M + slots x parameter "
@@ -234,13 +235,15 @@ def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe"
         fixed = sum(t.nbytes for _, t in received if not t.batched)
         act = [activations * x for x in fractions]
         kept = [inputs * x + fixed if r else a for x, r, a in zip(fractions, recomputed, act)]
-        split = schedule.splits_backward and _needs_input_grads(received)
-        stash = [x * sum(saved.storage_bytes[k] for k in _kept_gradients(costed, s, trainable, saved)) if split else 0.0
-                 for x in fractions]
+        split = _split_micro_batches(schedule, s.index, n, _needs_input_grads(received))
+        gradients = sum(saved.storage_bytes[k] for k in _kept_gradients(costed, s, trainable, saved)) if any(split) \
+            else 0.0
+        stash = [x * gradients if apart else 0.0 for x, apart in zip(fractions, split)]
         peak, formula = _held(schedule.stage_order(s.index), kept, act, stash, recomputed, split,
                               {"inputs": inputs / n + fixed, "activations": activations / n,
-                               "kept gradients": stash[0]})
-        recompute = 0.0 if split else max((a for a, r in zip(act, recomputed) if r), default=0.0)  # split: in `peak`
+                               "kept gradients": gradients * fractions[0]})
+        # a split micro-batch's recompute is in `peak`
+        recompute = max((a for a, r, apart in zip(act, recomputed, split) if r and not apart), default=0.0)
         grads = sum(costed.tensor_bytes.get(p, 0) for p in s.params if p in trainable)
         slots = slot_bytes = 0
         if plan.cuda_graphs is not None and plan.cuda_graphs.captured(s.index):
@@ -279,6 +282,13 @@ def _recomputed_in_flight(order: list, recomputed: list[bool]) -> int:
     return peak
 
 
+def _split_micro_batches(schedule: Schedule, stage: int, chunks: int, needs_input_grads: bool) -> list[bool]:
+    """Per micro-batch, whether the stage runs its W apart from B: under a split schedule, where its input needs a
+    gradient and B is not a full backward (dualpipev's)."""
+    split = schedule.splits_backward and needs_input_grads
+    return [split and (stage, i) not in schedule.full_backwards for i in range(chunks)]
+
+
 def _needs_input_grads(received: list) -> bool:
     """Whether a stage receives a floating tensor from another stage: its B computes input gradients, and its W runs
     apart (a stage reading only the model's inputs does all in B: runtime/split_backward.py)."""
@@ -301,20 +311,21 @@ def _kept_gradients(costed: CostedGraph, stage: Any, trainable: set[str], saved:
     return found
 
 
-def _held(order: list, kept: list[float], act: list[float], stash: list[float], recomputed: list[bool], split: bool,
-          each: dict[str, float]) -> tuple[float, str]:
+def _held(order: list, kept: list[float], act: list[float], stash: list[float], recomputed: list[bool],
+          split: list[bool], each: dict[str, float]) -> tuple[float, str]:
     """The most bytes a stage holds at once under its task order, and the formula of that moment. A forward keeps
-    ``kept``; a fused B frees it. Where W runs apart, B re-materialises (``act``) and keeps its gradients for W
-    (``stash``), and W frees them all (ZB's price: Qi et al. sec. 3.2, the activations live until W)."""
+    ``kept``; a fused B frees it. Where micro-batch i's W runs apart (``split[i]``), B re-materialises (``act``) and
+    keeps its gradients for W (``stash``), and W frees them all (ZB's price: Qi et al. sec. 3.2, the activations live
+    until W)."""
     live, peak, phase, at_peak = 0.0, 0.0, {}, {}
     for t in order:
         i = t.micro_batch
         if t.kind == "F":
             live, phase[i] = live + kept[i], "F"
-        elif t.kind == "B" and split:
+        elif t.kind == "B" and split[i]:
             live, phase[i] = live + act[i] - kept[i] + stash[i], "B"
-        elif t.kind == ("W" if split else "B"):
-            live -= (act[i] + stash[i]) if split else kept[i]
+        elif t.kind == ("W" if split[i] else "B"):
+            live -= (act[i] + stash[i]) if split[i] else kept[i]
             del phase[i]
         if live > peak:
             peak, at_peak = live, dict(phase)
@@ -343,7 +354,8 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
         seconds = TASK_SECONDS + OP_SECONDS * (len(s.nodes) + len(s.replicated))
         overhead = per_flop * DEVICE_FLOPS * seconds if task_overhead is None else task_overhead
         received = [(name, t) for name in s.inputs if (t := plan.tensors.get(name)) is not None]
-        tasks = (3 if schedule.splits_backward and _needs_input_grads(received) else 2) * chunks + recomputed  # W: one
+        tasks = 2 * chunks + sum(_split_micro_batches(schedule, s.index, chunks, _needs_input_grads(received))) \
+            + recomputed  # W: one more where it runs apart
         compute = s.cost * (1 + BACKWARD_FACTOR + RECOMPUTE_FACTOR * recomputed / chunks)
         work[schedule.device_of(s.index)] += compute + overhead * tasks
     busy = 1.0 - schedule.bubble_fraction

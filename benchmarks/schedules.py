@@ -1,7 +1,7 @@
-"""Schedules side by side: GPipe, 1F1B, interleaved 1F1B (v=2) and the zero-bubble zb-h1 and zbv (Qi et al.,
-ICLR 2024), autopipe vs torch.distributed.pipelining.
+"""Schedules side by side: GPipe, 1F1B, interleaved 1F1B (v=2), the zero-bubble zb-h1 and zbv (Qi et al.,
+ICLR 2024) and DualPipeV (DeepSeek-V3's DualPipe in zbv's V), autopipe vs torch.distributed.pipelining.
 
-    python benchmarks/schedules.py                        # K=2, M=8, all five (~5 min on 2 cores)
+    python benchmarks/schedules.py                        # K=2, M=8, all six (~6 min on 2 cores)
     python benchmarks/schedules.py --schedules zb-h1 zbv  # some of them
     python benchmarks/schedules.py --quick                # tiny smoke test, not a measurement
 
@@ -12,9 +12,10 @@ device, checkpoint="never", float32, MSE loss. Rows, per schedule:
 - autopipe, 2 procs:   the same call under 2 gloo processes (torchrun's environment), its own split;
 - pipelining, 2 procs: torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
   ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1) /
-  ScheduleZBVZeroBubble on a split written by hand (2 pieces, or 4: rank r holds pieces r and r+2
-  for interleaved, r and 3-r in zbv's V), shapes inferred at a warm-up step, as its docs show.
-  Its rows are named by class. autopipe cuts its own stages (2K of them in the V for zbv).
+  ScheduleZBVZeroBubble / ScheduleDualPipeV on a split written by hand (2 pieces, or 4: rank r holds
+  pieces r and r+2 for interleaved, r and 3-r in the V of zbv and dualpipev), shapes inferred at a
+  warm-up step, as its docs show. Its rows are named by class. autopipe cuts its own stages (2K of
+  them in the V).
 
 Step time: median of ``--steps`` steps; within each part the variants run interleaved,
 order rotated each round. Memory: the peak of activations autograd saves for backward
@@ -49,9 +50,11 @@ import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from zoo import transformer_like  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
 PIPELINING = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-              "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+              "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+              "dualpipev": "ScheduleDualPipeV"}
+V_LAYOUT = ("zbv", "dualpipev")  # rank r holds pieces r and 2K-1-r
 K = 2
 
 
@@ -183,15 +186,15 @@ class Piece(nn.Module):
 
 def pipelining_step(model: nn.Module, rank: int, name: str, v: int, x, y, chunks: int):
     """torch.distributed.pipelining as its docs use it: the hand split, PipelineStage(s), the schedule class (for
-    zbv the V by hand: rank r holds pieces r and 2K-1-r)."""
+    zbv and dualpipev the V by hand: rank r holds pieces r and 2K-1-r)."""
     from torch.distributed import pipelining
 
     n = K * v
     bounds = [round(len(model.blocks) * k / n) for k in range(n + 1)]
-    mine = [rank, n - 1 - rank] if name == "zbv" else list(range(rank, n, K))
+    mine = [rank, n - 1 - rank] if name in V_LAYOUT else list(range(rank, n, K))
     stages = [pipelining.PipelineStage(Piece(model, bounds[s], bounds[s + 1]), s, n, torch.device("cpu")) for s in mine]
     cls = getattr(pipelining, PIPELINING[name])
-    multi = name in ("interleaved", "zb-h1", "zbv")  # the classes that take a list of stages
+    multi = name in ("interleaved", "zb-h1", *V_LAYOUT)  # the classes that take a list of stages
     schedule = cls(stages if multi else stages[0], n_microbatches=chunks, loss_fn=F.mse_loss)
     names = {n for s in stages for n, _ in _full_names(model, s.submod)}
 
@@ -303,7 +306,7 @@ def main() -> None:
     ranks = two_processes(args)
     rows = []
     for name, v in args.schedule_list:
-        label = name + (f" v={v}" if name == "interleaved" else "")  # zbv: two stages per device, by its name
+        label = name + (f" v={v}" if name == "interleaved" else "")  # the V: two stages per device, by its name
         ours, theirs = ranks[0][("autopipe", name)], ranks[0][("pipelining", name)]
         mine = local[name]
         rows.append([label, "autopipe, in-process", C.fmt_s(mine["seconds"]), "", C.fmt_x(local["plain"] / mine["seconds"]),

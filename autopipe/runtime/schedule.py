@@ -1,7 +1,8 @@
 """Schedules as tables of clock cycles of (stage, micro-batch, F|B|W) tasks; see docs/architecture.md, "Schedules".
 GPipe: Huang et al. 2019, fig. 2c; 1F1B and interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM sec. 2.2); ZB-H1 and
 ZB-V: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (secs. 3 and 6), whose tables split a stage's backward
-into B (input gradients) and W (parameter gradients)."""
+into B (input gradients) and W (parameter gradients); DualPipeV: DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024
+(sec. 3.2.1, DualPipe) cut in half into ZB-V's V, as torch's ScheduleDualPipeV."""
 from __future__ import annotations
 
 import collections
@@ -9,26 +10,32 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT = ("zb-h1", "zbv")   # schedules whose backward is two tasks, B and W
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SPLIT = ("zb-h1", "zbv", "dualpipev")   # schedules whose backward is two tasks, B and W
+V_LAYOUT = ("zbv", "dualpipev")         # schedules of 2K stages in a V
+
+
+def is_v_layout(name: str) -> bool:
+    """Whether the schedule lays 2K stages out in a V (``device_of_stage``)."""
+    return name in V_LAYOUT
 
 
 def stages_per_device(name: str, virtual_stages: int = 1) -> int:
-    """zbv always runs two stages per device (a V); the others run ``virtual_stages``."""
-    return 2 if name == "zbv" else virtual_stages
+    """zbv and dualpipev always run two stages per device (a V); the others run ``virtual_stages``."""
+    return 2 if is_v_layout(name) else virtual_stages
 
 
 def device_of_stage(name: str, n_devices: int, stage: int) -> int:
-    """Round robin (stage s on device s % K), or for zbv the V: device d holds stages d and 2K-1-d (ZB-V, sec. 6),
-    so the first and last stages share a device and the loss's gradient turns round without a message."""
-    if name == "zbv" and stage >= n_devices:
+    """Round robin (stage s on device s % K), or for zbv and dualpipev the V: device d holds stages d and 2K-1-d (ZB-V,
+    sec. 6), so the first and last stages share a device and the loss's gradient turns round without a message."""
+    if is_v_layout(name) and stage >= n_devices:
         return 2 * n_devices - 1 - stage
     return stage % n_devices
 
 
 @dataclass(frozen=True, order=True)
 class Task:
-    stage: int          # pipeline stage index (a virtual stage for interleaved and zbv: 0 .. K*v-1)
+    stage: int          # pipeline stage index (a virtual stage for interleaved and the V: 0 .. K*v-1)
     micro_batch: int
     kind: Literal["F", "B", "W"]  # forward; backward (input gradients only where a W follows); parameter gradients
 
@@ -59,11 +66,14 @@ def _interleavable(n_devices: int, chunks: int) -> bool:
 
 @dataclass(frozen=True)
 class Schedule:
-    name: str                # "gpipe" | "1f1b" | "interleaved"
-    n_stages: int            # stages (K*v for interleaved)
-    n_devices: int           # K; stage s runs on device s % n_devices
+    name: str                # one of NAMES
+    n_stages: int            # stages (K*v for interleaved, 2K in the V)
+    n_devices: int           # K; stage s runs on device_of(s)
     chunks: int              # micro-batches M
     cycles: tuple[tuple[Task, ...], ...]   # tasks that may run at the same clock cycle
+    # (stage, micro-batch) whose B is a full backward under a split schedule (pipelining's FULL_BACKWARD): it computes
+    # the parameter gradients too, and its W, next in the device's order, only adds them
+    full_backwards: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def gpipe(cls, n_stages: int, chunks: int, backward: bool = True) -> Schedule:
@@ -133,18 +143,31 @@ class Schedule:
         return cls._pack("zbv", 2 * K, K, M, [_zbv_order(K, M, d) for d in range(K)])
 
     @classmethod
+    def dualpipev(cls, n_devices: int, chunks: int) -> Schedule:
+        """DualPipeV: ZB-V's V, device orders as torch's ScheduleDualPipeV (``_calculate_single_rank_operations``), so
+        DeepSeek's DualPipe cut in half: warm-up forwards, then pairs of a forward of one stage and a full backward
+        of the other (pipelining's OVERLAP_F_B, which runs them one after the other; see Note [overlapped F and B]),
+        then backwards, their second half split in B and W to fill the cool-down. Torch asks M >= 2K; with fewer the
+        orders of 2K micro-batches run with those past M dropped, as zbv's do."""
+        K, M = n_devices, chunks
+        if K < 1 or M < 1:
+            raise ValueError(f"a schedule needs at least one device and one micro-batch (got K={K}, M={M})")
+        orders, full = zip(*(_dualpipev_order(K, M, d) for d in range(K)))
+        return cls._pack("dualpipev", 2 * K, K, M, orders, frozenset().union(*full))
+
+    @classmethod
     def build(cls, name: str, n_devices: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-        """By name: 'gpipe' | '1f1b' | 'zb-h1' (a stage per device) | 'interleaved' (virtual_stages >= 2) | 'zbv'
-        (2)."""
+        """By name: 'gpipe' | '1f1b' | 'zb-h1' (a stage per device) | 'interleaved' (virtual_stages >= 2) | 'zbv' |
+        'dualpipev' (2)."""
         if name not in NAMES:
             raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
         if name == "interleaved":
             return cls.interleaved(n_devices, virtual_stages, chunks)
-        if name == "zbv":
+        if is_v_layout(name):
             if virtual_stages not in (1, 2):
-                raise ValueError(f"'zbv' runs two stages per device, in a V (got virtual_stages={virtual_stages}); "
+                raise ValueError(f"{name!r} runs two stages per device, in a V (got virtual_stages={virtual_stages}); "
                                  f"leave virtual_stages out, or use 'interleaved' for {virtual_stages}")
-            return cls.zbv(n_devices, chunks)
+            return cls.zbv(n_devices, chunks) if name == "zbv" else cls.dualpipev(n_devices, chunks)
         if virtual_stages != 1:
             raise ValueError(f"{name!r} runs one stage per device (got virtual_stages={virtual_stages}); "
                              f"use 'interleaved' for several")
@@ -152,7 +175,8 @@ class Schedule:
         return builder(n_devices, chunks)
 
     @classmethod
-    def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int, orders: Sequence[Sequence[Task]]) -> Schedule:
+    def _pack(cls, name: str, n_stages: int, n_devices: int, chunks: int, orders: Sequence[Sequence[Task]],
+              full_backwards: frozenset[tuple[int, int]] = frozenset()) -> Schedule:
         """Per-device orders -> clock cycles: each device starts its next task at the first cycle after
         that task's inputs are done. Raises if the orders deadlock, so no worker can hang on them."""
         pending = [collections.deque(order) for order in orders]
@@ -164,7 +188,7 @@ class Schedule:
                 raise ValueError(f"{name} orders deadlock: devices wait on {[queue[0] for queue in pending if queue]}")
             done.update(now)
             cycles.append(tuple(sorted(now)))
-        s = cls(name, n_stages, n_devices, chunks, tuple(cycles))
+        s = cls(name, n_stages, n_devices, chunks, tuple(cycles), full_backwards)
         s.validate()
         return s
 
@@ -196,9 +220,9 @@ class Schedule:
 
     def max_in_flight(self, stage: int) -> int:
         """Most micro-batches whose forward ran and whose graph is not yet freed (by B, or by W where the backward is
-        split): M for GPipe, K - stage for 1F1B and ZB-H1."""
-        last = "W" if self.splits_backward else "B"
-        steps = (1 if t.kind == "F" else -1 for t in self.stage_order(stage) if t.kind in ("F", last))
+        split and B was not a full backward): M for GPipe, K - stage for 1F1B and ZB-H1."""
+        steps = (1 if t.kind == "F" else -1 for t in self.stage_order(stage) if t.kind == "F" or t.kind == (
+            "W" if self.splits_backward and (stage, t.micro_batch) not in self.full_backwards else "B"))
         return max(itertools.accumulate(steps, initial=0))
 
     @property
@@ -239,6 +263,10 @@ class Schedule:
             busy = [self.device_of(t.stage) for t in cycle]
             if len(set(busy)) < len(busy):
                 raise ValueError(f"device {next(d for d in busy if busy.count(d) > 1)} runs two tasks at cycle {c}")
+        if any(not (0 <= s < self.n_stages and 0 <= i < self.chunks) for s, i in self.full_backwards) or (
+                self.full_backwards and not self.splits_backward):
+            raise ValueError(f"full backwards {sorted(self.full_backwards)} name tasks out of range, or the schedule "
+                             f"does not split its backward (a full backward is a B that does its W's work)")
         present = {t.kind for t in when}
         kinds = "FBW" if "W" in present else "FB" if "B" in present else "F"
         every = {Task(s, i, k) for s in range(self.n_stages) for i in range(self.chunks) for k in kinds}
@@ -258,7 +286,9 @@ class Schedule:
         width = max([2, len(str(len(self.cycles) - 1))] + [len(cell) for row in grid for cell in row])
         what = "forward / input gradients / parameter gradients" if self.splits_backward else "forward / backward"
         cells = " / ".join(f"{k}<i>{'.<s>' if v > 1 else ''}" for k in self.kinds)
-        note = f"cells: {cells} = {what} of micro-batch i{' through stage s' if v > 1 else ''}, . = idle"
+        note = f"cells: {cells} = {what} of micro-batch i{' through stage s' if v > 1 else ''}, . = idle" + (
+            f"; {len(self.full_backwards)} full backwards (Schedule.full_backwards): each one's B computes its W's "
+            f"gradients too" if self.full_backwards else "")
         rows = [f"{self.name} schedule: K={self.n_devices} devices, v={v} stages per device, M={self.chunks} "
                 f"micro-batches, {len(self.cycles)} clock cycles, bubble {self.bubble_fraction:.3f}", note,
                 "cycle     " + " ".join(f"{c:>{width}}" for c in range(len(self.cycles)))]
@@ -302,3 +332,58 @@ def _zbv_order(K: int, M: int, d: int) -> list[Task]:
     while count[(down, "W")] < count[(down, "B")]:
         add(down, "W")
     return [t for t in order if t.micro_batch < M]
+
+
+# Note [overlapped F and B]: DualPipe's pairs overlap one micro-batch's forward with another's backward only through a
+# model's own ``overlapped_forward_backward``, which hides one's expert-parallel all-to-all under the other's compute;
+# DeepSeek's example, and torch.distributed.pipelining's OVERLAP_F_B (``_PipelineScheduleRuntime`` runs
+# ``for sub_a in action.sub_actions: _perform_action(sub_a)``, on the rank's one stream), run the two one after the
+# other. autopipe does the same: the pair is the forward task, then the backward task, on the device's worker; what
+# still overlaps is what does under every schedule, the messages (received ahead, sent without waiting: p2p.py).
+
+
+def _dualpipev_order(K: int, M: int, d: int) -> tuple[list[Task], set[tuple[int, int]]]:
+    """Device d's tasks under DualPipeV as torch's ScheduleDualPipeV lists them, an OVERLAP_F_B as its forward then
+    its backward, a FULL_BACKWARD as B then W; and the (stage, micro-batch) of those full backwards."""
+    n = max(2 * K, M)  # torch's least; those past M are dropped at the end
+    down, up = d, 2 * K - 1 - d
+    count = {(s, k): 0 for s in (down, up) for k in "FB"}
+    order: list[Task] = []
+    full: set[tuple[int, int]] = set()
+    weights: collections.deque[Task] = collections.deque()  # the Ws of split backwards, oldest first
+
+    def add(stage: int, kind: str, split: bool = True) -> None:  # each stage's Fs and Bs run in micro-batch order
+        i = count[(stage, kind)]
+        count[(stage, kind)] += 1
+        order.append(Task(stage, i, kind))
+        if kind == "B" and split:
+            weights.append(Task(stage, i, "W"))
+        elif kind == "B":
+            order.append(Task(stage, i, "W"))
+            full.add((stage, i))
+
+    def weight() -> None:
+        if weights:
+            order.append(weights.popleft())
+
+    for _ in range(2 * (K - d - 1)):
+        add(down, "F")
+    for _ in range(d + 1):
+        add(down, "F"), add(up, "F")
+    for _ in range(K - d - 1):
+        add(up, "B"), weight(), add(up, "F")
+    for _ in range(n - 2 * K + d + 1):  # torch's overlapped pairs, and its one pair on the last device it keeps apart
+        add(down, "F"), add(up, "B", split=False), add(up, "F"), add(down, "B", split=False)
+    for _ in range(K - d - 1):
+        add(up, "B", split=False), add(up, "F"), add(down, "B", split=False)
+    split = False
+    for i in range(d + 1):  # the second half of these backwards split, their Ws deferred
+        split = split or (i == (d + 1) // 2 and d % 2 == 1)
+        add(up, "B", split)
+        split = split or (i == (d + 1) // 2 and d % 2 == 0)
+        add(down, "B", split)
+    for _ in range(K - d - 1):
+        weight(), add(down, "B", split)
+    while weights:
+        weight()
+    return [t for t in order if t.micro_batch < M], {(s, i) for s, i in full if i < M}

@@ -154,6 +154,7 @@ class StepState:
     deferred: DeferredStatistics | None = None
     stages: dict[int, "StageStep"] = field(default_factory=dict)  # by id of the StageRunner
     split_backward: bool = False    # B computes input gradients and W the parameters' (the zero-bubble schedules)
+    full_backwards: frozenset = frozenset()  # (stage, micro-batch) whose B does its W's work too (Schedule's)
 
     @classmethod
     def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
@@ -164,7 +165,7 @@ class StepState:
                    memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)],
                                        checkpoint) if track_memory else None,
                    deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None,
-                   split_backward=schedule.splits_backward)
+                   split_backward=schedule.splits_backward, full_backwards=schedule.full_backwards)
 
     def recomputes(self, micro_batch: int) -> bool:
         return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
@@ -404,9 +405,10 @@ class StageRunner:
         begun = step.timeline.begin(self.stage.device)
         inputs = [saved.inputs[k] for k in wrt_inputs]
         with step.ambient.entered(self.stage.device):
-            if step.split_backward and wrt_inputs and mine.wrt_params:
+            if step.split_backward and wrt_inputs and mine.wrt_params and (self.index, i) not in step.full_backwards:
                 got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
-            else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it)
+            else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it), and a full
+                # backward: its W adds what this computed
                 got = _grad(roots, grads, inputs + mine.wrt_params)
                 mine.weights[i] = list(got[len(wrt_inputs):])
         step.timeline.end(begun, self.index, i, "backward", self.stage.device)

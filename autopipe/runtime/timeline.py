@@ -86,10 +86,11 @@ class Timeline:
         """Most micro-batches whose forward ran on ``stage`` and whose graph was not yet freed, as it ran: freed by
         the backward, or by W where the stage's backward is split (Schedule.max_in_flight's count, measured)."""
         events = sorted((e for e in self.events if e.stage == stage), key=lambda e: e.start)
-        last = "weight" if any(e.kind == "weight" for e in events) else "backward"
+        split = {e.micro_batch for e in events if e.kind == "weight"}  # the others' backward did it all (dualpipev)
         live = peak = 0
         for e in events:
-            live += 1 if e.kind == "forward" else -1 if e.kind == last else 0
+            live += 1 if e.kind == "forward" else -1 if e.kind == ("weight" if e.micro_batch in split else "backward") \
+                else 0
             peak = max(peak, live)
         return peak
 

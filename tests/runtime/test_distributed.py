@@ -132,16 +132,17 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, check
     (2, "zb-h1", "gpt:never,two_inputs:except_last,masked:always,moe:never"),
     (2, "zbv", "gpt:except_last,two_inputs:always,masked:never,moe:always"),
     (4, "zb-h1", "gpt:never+except_last+always,two_inputs:never"),
-    (4, "zbv", "gpt:never+except_last+always,two_inputs:except_last")])
+    (4, "zbv", "gpt:never+except_last+always,two_inputs:except_last"),
+    (2, "dualpipev", "gpt:never+always,two_inputs:except_last,masked:always")])
 def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, schedule, names):
-    """zb-h1 and zbv over 2 and 4 gloo ranks, every checkpoint mode under each (spread over the models at 2 ranks:
+    """zb-h1 and zbv over 2 and 4 gloo ranks (dualpipev over 2: zbv's V and tasks in its own order), every checkpoint mode under each (spread over the models at 2 ranks:
     each compile traces again; test_zero_bubble.py runs every model in every mode in process): each parameter's
     gradient, on each rank that holds it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's
     tied embedding and head on rank 0)."""
     run = launch("zoo", world, tmp_path, SCHEDULE=schedule, NAMES=names)
     assert run.codes == [0] * world, run.log()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         assert [r["stages"] for r in results] == [[d, 2 * world - 1 - d] for d in range(world)]
     for name, modes in (entry.split(":") for entry in names.split(",")):
         model = build(name).double().eval()

@@ -27,9 +27,9 @@ def inputs(t, n_stages):
 
 
 def device(s, stage):
-    """Round robin, or zbv's V: device d holds stages d and 2K-1-d."""
+    """Round robin, or the V of zbv and dualpipev: device d holds stages d and 2K-1-d."""
     K = s.n_devices
-    return 2 * K - 1 - stage if s.name == "zbv" and stage >= K else stage % K
+    return 2 * K - 1 - stage if s.name in ("zbv", "dualpipev") and stage >= K else stage % K
 
 
 def run_in_order(s, tf=1, tb=2, tw=1):
@@ -88,7 +88,7 @@ def interleavable(K, M):
 
 @st.composite
 def schedules(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]))
     K, M = draw(st.integers(1, 6)), draw(st.integers(1, 16))
     if name != "interleaved":
         return Schedule.build(name, K, M)
@@ -106,7 +106,8 @@ def test_every_schedule_keeps_the_rules_and_runs_without_deadlock(s):
     fwd = s.forward_only()
     assert violations(fwd) == [] and all(t.kind == "F" for c in fwd.cycles for t in c)
     fwd.validate()
-    assert s.stages_on(0) == ([0, s.n_stages - 1] if s.name == "zbv" else list(range(0, s.n_stages, s.n_devices)))
+    v_layout = s.name in ("zbv", "dualpipev")
+    assert s.stages_on(0) == ([0, s.n_stages - 1] if v_layout else list(range(0, s.n_stages, s.n_devices)))
     for d in range(s.n_devices):
         assert all(device(s, j) == d for j in s.stages_on(d))
         assert [s.device_of(j) for j in s.stages_on(d)] == [d] * (s.n_stages // s.n_devices)
@@ -275,7 +276,7 @@ def test_build_by_name_and_errors():
     s = Schedule.build("interleaved", 4, 8, virtual_stages=2)
     assert (s.name, s.n_stages, s.n_devices, s.chunks) == ("interleaved", 8, 4, 8)
     assert s.stages_on(1) == [1, 5] and s.device_of(6) == 2
-    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b, interleaved, zb-h1, zbv"):
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev"):
         Schedule.build("pipedream", 4, 8)
     with pytest.raises(ValueError, match="virtual_stages >= 2"):
         Schedule.build("interleaved", 4, 8)
@@ -370,3 +371,76 @@ def test_zero_bubble_prints_builds_and_names_errors():
     with pytest.raises(ValueError, match="dependency broken"):  # a W before its B
         replace(one, cycles=tuple((Task(*t),) for t in [(0, 0, "F"), (1, 0, "F"), (1, 0, "W"), (1, 0, "B"),
                                                          (0, 0, "B"), (0, 0, "W")])).validate()
+
+
+# -- DualPipeV: ZB-V's V, a forward and a full backward of two micro-batches in turn -------------------------------
+
+def _pipelining_dualpipev(K, M, d):
+    """torch's ScheduleDualPipeV rank order in our terms: an OVERLAP_F_B as its two sub-actions in turn (as its
+    runtime runs them), a FULL_BACKWARD as B then W; each B and W marked whether it is a full backward's."""
+    calc = getattr(pytest.importorskip("torch.distributed.pipelining.schedules").ScheduleDualPipeV,
+                   "_calculate_single_rank_operations", None)
+    if calc is None:
+        pytest.skip("torch's private schedule table moved")
+    kind = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+
+    def flat(a):
+        name = a.computation_type.name
+        if name == "OVERLAP_F_B":
+            return [t for sub in a.sub_actions for t in flat(sub)]
+        if name == "FULL_BACKWARD":
+            return [(a.stage_index, a.microbatch_index, k, True) for k in "BW"]
+        return [(a.stage_index, a.microbatch_index, kind[name], False)]
+    return [t for a in calc(types.SimpleNamespace(pp_group_size=K, _n_microbatches=M), d) if a is not None
+            for t in flat(a)]
+
+
+def test_dualpipev_orders_match_torch():
+    """Our device orders, and which backwards are full, are torch's ScheduleDualPipeV's (M >= 2K, as it asks)."""
+    for K, M in [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 13), (5, 10)]:
+        s = Schedule.dualpipev(K, M)
+        for d in range(K):
+            ours = [(t.stage, t.micro_batch, t.kind, t.kind != "F" and (t.stage, t.micro_batch) in s.full_backwards)
+                    for t in s.device_order(d)]
+            assert ours == _pipelining_dualpipev(K, M, d), (K, M, d)
+
+
+def test_dualpipev_bubble_and_in_flight_beside_zbvs():
+    """With unit tasks (a full backward is B then W) its bubble is zbv's, 0.059 at K=4, M=8; stage s holds
+    min(M, 2K - s) micro-batches as zbv's, and device d 2K + 1 half-stage ones at M >= 2K, DeepSeek's PP + 1 for
+    2K = PP stages (zbv: 2K); a full backward frees its graph at B. Fewer than 2K micro-batches run torch's order of
+    2K with the rest dropped."""
+    v, zbv = Schedule.dualpipev(4, 8), Schedule.zbv(4, 8)
+    unit = lambda t: 1.0
+    assert v.bubble_fraction == pytest.approx(zbv.bubble_fraction) == pytest.approx(0.0588, abs=1e-4)
+    assert v.simulate(unit) == pytest.approx(zbv.simulate(unit))
+    assert 0.6 < len(v.full_backwards) / (8 * 8) < 0.7  # the others split, to fill the cool-down
+    for K, M in itertools.product(range(1, 6), range(1, 13)):
+        s = Schedule.dualpipev(K, M)
+        assert violations(s) == []
+        assert [s.max_in_flight(j) for j in range(2 * K)] == [min(M, 2 * K - j) for j in range(2 * K)]
+        for d in range(K):
+            live = peak = 0
+            for t in s.device_order(d):
+                frees = "B" if (t.stage, t.micro_batch) in s.full_backwards else "W"
+                live += 1 if t.kind == "F" else -1 if t.kind == frees else 0
+                peak = max(peak, live)
+            assert peak <= 2 * K + 1 and (peak == 2 * K + 1 or M < 2 * K), (K, M, d)
+        if M < 2 * K:
+            full = Schedule.dualpipev(K, 2 * K)
+            for d in range(K):
+                assert s.device_order(d) == [t for t in full.device_order(d) if t.micro_batch < M]
+
+
+def test_dualpipev_builds_by_name_and_checks_its_full_backwards():
+    s = Schedule.build("dualpipev", 2, 4)
+    assert (s.name, s.n_stages, s.virtual_stages, s.splits_backward, s.stages_on(1)) == ("dualpipev", 4, 2, True,
+                                                                                         [1, 2])
+    assert Schedule.build("dualpipev", 2, 4, virtual_stages=2) == s
+    assert s.forward_only().full_backwards == frozenset()
+    with pytest.raises(ValueError, match="'dualpipev' runs two stages per device"):
+        Schedule.build("dualpipev", 2, 4, virtual_stages=3)
+    with pytest.raises(ValueError, match="full backwards"):
+        replace(s, full_backwards=s.full_backwards | {(4, 0)}).validate()
+    with pytest.raises(ValueError, match="does not split its backward"):
+        replace(Schedule.one_f_one_b(2, 2), full_backwards=frozenset({(0, 0)})).validate()
