@@ -110,7 +110,8 @@ def _groups(every: list[fx.Node], free: set[fx.Node]) -> tuple[list[fx.Node], di
 def _varying_sizes_kept_whole(order: list[fx.Node], groups: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
     """The groups from a value whose size depends on values (trace's "data_dependent": x[mask]) to its last reader
     become one: no cut carries it, as no receiver could size it ahead (its size differs between micro-batches and
-    steps). ``groups`` is updated."""
+    steps). So do those from a tuple of tensors read whole (``torch.cat(h.unbind(0))``), which would cross without
+    gradients. ``groups`` is updated."""
     index = {m: i for i, n in enumerate(order) for m in groups[n]}
     kept: list[fx.Node] = []
     end = -1
@@ -120,7 +121,8 @@ def _varying_sizes_kept_whole(order: list[fx.Node], groups: dict[fx.Node, list[f
             kept.append(n)
         else:
             groups[kept[-1]] += groups.pop(n)
-        end = max([end, *(index.get(u, i) for m in members if m.meta.get("data_dependent") for u in m.users)])
+        end = max([end, *(index.get(u, i) for m in members if m.meta.get("data_dependent") or _tensors_in_tuple(m)
+                          for u in m.users)])
     return kept
 
 
@@ -168,6 +170,12 @@ def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: se
 def _is_param(gm: fx.GraphModule, name: str) -> bool:
     module, _, leaf = name.rpartition(".")
     return isinstance(getattr(gm.get_submodule(module), leaf, None), torch.nn.Parameter)
+
+
+def _tensors_in_tuple(n: fx.Node) -> bool:
+    """A tuple or list of tensors (fx's ``h.unbind(0)`` read whole by ``torch.cat``): crossing a cut as a Python value,
+    its tensors would carry no gradient back."""
+    return not isinstance(n.meta.get("val"), torch.Tensor) and _is_tensor_valued(n)
 
 
 def _is_tensor_valued(n: fx.Node) -> bool:

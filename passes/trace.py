@@ -268,7 +268,8 @@ def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     runs = []
     for rows in (batch, batch + 1):
         try:
-            with preserved_global_state(), module_state_kept(model), scalar_buffers_kept(model, every_buffer=True), \
+            with preserved_global_state(), module_state_kept(model), hooks_kept(model), \
+                    scalar_buffers_kept(model, every_buffer=True), \
                     torch.no_grad(), fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
                 fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)),
@@ -439,7 +440,8 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
     gives it the dynamic graph's batch facts. Marks node.meta "batch_literal" where a literal differs."""
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
-        other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
+        with hooks_kept(model):
+            other = export_flat_graph(model, arguments, rows + 1, dynamic_batch=False)
         _shaped(other, other.flatten_inputs(arguments))
     except Exception:  # the model's Python may fix the batch size it runs at
         return None

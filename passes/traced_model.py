@@ -138,7 +138,7 @@ def per_sample_lists(output: Any, batch: int) -> Any:
             and x.storage_offset() == first.storage_offset() + i * first.numel() for i, x in enumerate(node))
 
     def per_sample(node: Any) -> bool:
-        return isinstance(node, list) and len(node) == batch > 1 and all(isinstance(x, torch.Tensor) for x in node) \
+        return isinstance(node, list) and len(node) == batch > 0 and all(isinstance(x, torch.Tensor) for x in node) \
             and all(type(d) is int for d in node[0].shape) and rows_of_one(node)
 
     return pytree.tree_map(lambda node: PerSampleList(torch.stack(node)) if per_sample(node) else node, output,

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopipe.random_ops import op_name
 
@@ -87,6 +88,7 @@ def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any]
     (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it (a
     static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the
     batch size."""
+    known: dict[fx.Node, int] = {}  # k of a concatenation of rows in order, and of values computed from it: see below
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if grown is None and literals(n):
@@ -105,6 +107,11 @@ def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any]
                 # with one size only, what looks like k rows a sample may hold more samples' elements than k rows do
                 k = 0
             n.meta["rows_per_sample"] = k
+            if (rows := concatenated_rows(n)) is not None and rows[1]:
+                known[n] = n.meta["rows_per_sample"] = rows[1]  # Note [rows concatenated in order]
+            elif grown is None and not k and (k := next((known[a] for a in n.all_input_nodes if a in known
+                                                        and val.dim() and val.shape[0] == known[a] * batch), 0)):
+                known[n] = n.meta["rows_per_sample"] = k  # one size only: k is the concatenation's, until it changes
             grows = [i
                      for i, (a, b) in enumerate(zip(val.shape, grown[n].shape)) if a != b] if grown is not None else []
             if len(grows) == 1:
@@ -115,6 +122,84 @@ def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any]
                 n.meta["batch_free"] = True  # the same shape at every batch size: no sample's own rows in it
         elif isinstance(val, int) and grown is not None and grown[n] != val:
             n.meta["batch_number"] = True  # x.shape[0], a number that differs between micro-batches
+
+
+# Note [rows concatenated in order]: torch.cat along dim 0 of views that are the rows of one batch tensor, each once
+# and in order (x.unbind(0), x.split(1), [x[i] for i in range(len(x))], list(x), LLaVA's per-image features) is that
+# tensor reshaped, row-major: each sample's rows stay together, k of them a sample (k of the tensor, times dim 1 where a
+# piece drops the row dim). Read from the views' storage, offsets and strides, which every route's fake values carry,
+# so that a graph of one static size (the samples unbound one by one, one node each: its export one row larger has
+# other nodes) knows k too, as it does not for other values: there k goes on to values computed from the
+# concatenation whose dim 0 keeps its k * batch rows, and samples.py decides, as for any value, whether their rows
+# stay together. Pieces that hold all the rows but in another order (reversed, permuted, repeated) give parts that
+# no concatenation of micro-batches turns into the plain value: samples.py refuses them.
+
+def concatenated_rows(n: fx.Node) -> tuple[fx.Node, int] | None:
+    """For ``torch.cat`` along dim 0 of views of one batch tensor's rows: (that tensor, k) where the pieces are its
+    rows, each once, in order (k: rows a sample of the result); (that tensor, 0) where they hold every row but in
+    another order, none of them all the rows. None for any other op or pieces (Note [rows concatenated in order])."""
+    if n.op != "call_function" or op_name(n.target) not in ("cat", "concat", "concatenate") or not n.args:
+        return None
+    parts, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    if isinstance(parts, (list, tuple)) and parts and all(isinstance(p, fx.Node) for p in parts):
+        pieces = [(p, p.meta.get("val")) for p in parts]
+    elif isinstance(parts, fx.Node) and isinstance(parts.meta.get("val"), (list, tuple)):  # fx: torch.cat(x.unbind(0))
+        pieces = [(parts, v) for v in parts.meta["val"]]
+    else:
+        return None
+    if not pieces or not all(isinstance(v, torch.Tensor) and v.dim() for _, v in pieces) or not isinstance(dim, int) \
+            or dim % pieces[0][1].dim():
+        return None
+    for source in _viewed(pieces[0][0]):
+        rows = [_rows_viewed(v, source.meta.get("val")) for _, v in pieces] if rows_per_sample(source) else [None]
+        if None in rows or len({kept for _, _, kept in rows}) != 1:
+            continue
+        total, kept = source.meta["val"].shape[0], rows[0][2]
+        if [start for start, _, _ in rows] == [0] + [stop for _, stop, _ in rows[:-1]] and rows[-1][1] == total:
+            return source, rows_per_sample(source) * (1 if kept else source.meta["val"].shape[1])
+        whole = any(stop - start == total for start, stop, _ in rows) and kept
+        return (source, 0) if _covers([(start, stop) for start, stop, _ in rows], total) and not whole else None
+    return None
+
+
+def _covers(spans: list[tuple[int, int]], total: int) -> bool:
+    """Do the spans [start, stop) cover 0..total-1?"""
+    reach = 0
+    for start, stop in sorted(spans):
+        if start > reach:
+            return False
+        reach = max(reach, stop)
+    return reach >= total
+
+
+def _viewed(piece: fx.Node) -> list[fx.Node]:
+    """The tensors ``piece`` is a view of, nearest first: its chain of view ops' first arguments."""
+    chain = []
+    while piece.op in ("call_function", "call_method") and (op_name(piece.target) in VIEWS
+                                                            or piece.target is operator.getitem) \
+            and piece.args and isinstance(piece.args[0], fx.Node) and len(chain) < 16:
+        piece = piece.args[0]
+        chain.append(piece)
+    return [a for a in chain if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim()]
+
+
+def _rows_viewed(v: torch.Tensor, of: Any) -> tuple[int, int, bool] | None:
+    """(first, end, kept) where ``v`` is rows first..end-1 of ``of`` (kept: as ``of[first:end]``; else ``of[first]``,
+    one row without its dim), read from storage, offset and strides; None where it is not."""
+    numbers = (*v.shape, *v.stride(), v.storage_offset(), *of.shape, *of.stride(), of.storage_offset()) \
+        if isinstance(of, torch.Tensor) else (None,)
+    if not all(type(x) is int for x in numbers) or v.dtype != of.dtype or of.stride(0) <= 0 \
+            or StorageWeakRef(v.untyped_storage()) != StorageWeakRef(of.untyped_storage()):
+        return None
+    first, offset = divmod(v.storage_offset() - of.storage_offset(), of.stride(0))
+    if v.shape == of.shape[1:] and v.stride() == of.stride()[1:]:
+        end, kept = first + 1, False
+    elif v.dim() == of.dim() and v.shape[1:] == of.shape[1:] and v.stride()[1:] == of.stride()[1:] and \
+            (v.shape[0] <= 1 or v.stride(0) == of.stride(0)):
+        end, kept = first + v.shape[0], True
+    else:
+        return None
+    return (first, end, kept) if not offset and 0 <= first < end <= of.shape[0] else None
 
 
 def sized_by_values(val: Any) -> bool:

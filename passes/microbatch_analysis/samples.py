@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from autopipe.random_ops import aten_overloads, bind, op_name
 
-from .facts import ALONG_DIMS, ON_ROWS, RESHAPES, ROW_MODULES, is_inplace, rows_per_sample, views
+from .facts import ALONG_DIMS, ON_ROWS, RESHAPES, ROW_MODULES, concatenated_rows, is_inplace, rows_per_sample, views
 
 PAIRS_SAMPLES = "holds the batch in two dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives)"
 
@@ -29,11 +29,17 @@ def _interleaved(flatten: fx.Node) -> str:
             f"repeat), into rows of samples: each row holds parts of several samples")
 
 
+def _out_of_order(source: fx.Node) -> str:
+    return (f"concatenates the rows of {source.name} along dim 0 in another order than theirs (reversed, permuted or "
+            f"repeated pieces of x.unbind(0), x.split(1), x[i]): each micro-batch reorders its own rows alone")
+
+
 def samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.Node]:
     """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
     concatenate to the plain model's value: MoE router logits, ``logits.view(-1, V)``: a reshape of a batch tensor
-    (row-major order is kept), then row-wise ops whose other operands do not come from the batch, with no number that
-    differs between micro-batches, and no later write in place to a view of it that is not row by row."""
+    (row-major order is kept; a torch.cat of its rows in order is one: facts.py, Note [rows concatenated in order]),
+    then row-wise ops whose other operands do not come from the batch, with no number that differs between
+    micro-batches, and no later write in place to a view of it that is not row by row."""
     together: set[fx.Node] = set()
     poisoned: set[fx.Node] = set()
     storage = views(gm)
@@ -64,6 +70,8 @@ def _rows_of(n: Any) -> int | None:
 
 def _keeps_rows(gm: fx.GraphModule, n: fx.Node, k: int, together: set[fx.Node], from_batch: set[fx.Node]) -> bool:
     """``n``'s tensor operands give a result of k rows a sample, row by row."""
+    if (rows := concatenated_rows(n)) is not None and rows[1]:  # a reshape of rows[0] (facts.py)
+        return rows[0] in together or rows_per_sample(rows[0]) == 1
     operands = [a for a in n.all_input_nodes if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
     if not operands or n.op not in ("call_function", "call_method", "call_module"):
         return False
@@ -118,11 +126,12 @@ def _together_by_getitem(gm: fx.GraphModule, n: fx.Node, k: int, together: set[f
 def samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node],
                   misread: dict[fx.Node, str]) -> dict[fx.Node, tuple[str, str]]:
     """Each value computed from one that mixes samples -> (that node, how): one holding the batch in two dims (trace's
-    "pairs_samples"), rows selected by value misread (``misread``), or a reshape into rows of samples (one row a sample)
-    of rows that are not in sample order: of a value whose dim 0 is not the batch (row-major order puts parts of several
-    samples in a row), or of a flatten of one whose batch is in a later dim (``h.transpose(0, 1).reshape(-1, d)``: rows
-    in sequence order, which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as
-    attention's (seq, batch, d) round trip)."""
+    "pairs_samples"), rows selected by value misread (``misread``), a batch tensor's rows concatenated out of their
+    order (facts.concatenated_rows), or a reshape into rows of samples (one row a sample) of rows that are not in
+    sample order: of a value whose dim 0 is not the batch (row-major order puts parts of several samples in a row), or
+    of a flatten of one whose batch is in a later dim (``h.transpose(0, 1).reshape(-1, d)``: rows in sequence order,
+    which row-wise ops keep, until a reshape gives a dim 0 that is not the batch again, as attention's (seq, batch, d)
+    round trip)."""
     mixed: dict[fx.Node, tuple[str, str]] = {}
     written: dict[fx.Node, tuple[str, str]] = {}  # a storage (view root) written in place with a value mixing samples
     storage = views(gm)
@@ -135,6 +144,8 @@ def samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dic
             mixed[n] = (n.name, PAIRS_SAMPLES)
         elif n in misread:
             mixed[n] = (n.name, misread[n])
+        elif (rows := concatenated_rows(n)) is not None and not rows[1]:
+            mixed[n] = (n.name, _out_of_order(rows[0]))
         elif (reshape and rows_per_sample(n) == 1 and source in from_batch and not rows_per_sample(source)
               and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] > 1):
             mixed[n] = (n.name, _not_batch_rows(source, v))
@@ -166,7 +177,7 @@ def _stacks_batches(n: fx.Node) -> bool:
     """Batch rows stacked along dim 0 one batch after another: ``torch.cat(x.unbind(1))``, ``x.repeat(t, 1)``,
     ``torch.tile``."""
     name, number = op_name(n.target), lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a
-    if name in ("cat", "concat", "concatenate", "vstack", "row_stack") and n.args:
+    if name in ("cat", "concat", "concatenate", "vstack", "row_stack") and n.args and concatenated_rows(n) is None:
         dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
         listed = isinstance(n.args[0], (list, tuple))
         parts = n.args[0] if listed else n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else ()
