@@ -1,0 +1,108 @@
+"""The torch.fx route of the trace pass: ``torch.fx.symbolic_trace`` of the model's forward through ``flat_root``, with
+the user's leaf modules kept whole; refused where an fx graph would lose what the forward does (grad-mode and autocast
+switches, writes and draws with no traced argument), which the export route can hold."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import threading
+import traceback
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .custom_gradients import backward_hooked
+from .diagnostics import TraceError, listed
+from .model_state import module_state_kept
+from .traced_model import TracedModel, flat_root
+
+
+def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
+    """``traced`` with the graph torch.fx.symbolic_trace records of the model's forward (``leaf_modules`` and modules
+    with backward hooks kept whole); TraceError where the graph would lose something the forward does."""
+    leaves, hooked = tuple(leaf_modules), backward_hooked(model)
+    if "" in hooked:
+        raise TraceError(f"{type(model).__name__} itself has a backward hook (register_full_backward_hook): the "
+                         f"pipeline runs its stages, never the model as a whole, so the hook would not run; register "
+                         f"it on a submodule, or on a tensor (tensor.register_hook)")
+
+    # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
+    class LeafTracer(fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
+            return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf)
+                       for leaf in leaves) or name in hooked or \
+                super().is_leaf_module(m, name)
+
+    # fx cannot call the model itself (it is no submodule of root): its forward, with its own forward hooks as its
+    # __call__ runs them
+    root = flat_root(model, traced, functools.partial(torch.nn.Module._call_impl, model))
+    with module_state_kept(model), _what_fx_cannot_record(model) as lost:
+        traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
+    if traced.assigned:
+        lost.append(f"the forward assigns {', '.join(traced.assigned)}, which fx runs once while tracing")
+    if lost:
+        raise TraceError("; ".join(lost) + ": an fx graph cannot hold it (the export route can)")
+    if hooked:
+        traced.notes.append(f"kept whole for their backward hooks, which run on each micro-batch's gradients: "
+                            f"{listed(hooked)}")
+    return traced
+
+
+_FX_TRACING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _what_fx_cannot_record(model: torch.nn.Module):
+    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode and autocast switches,
+    in-place writes of parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields
+    the list of what was lost, filled on exit."""
+    tracer_thread, switches, autocasts, draws, lost = threading.get_ident(), [], [], [], []
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
+
+    def where() -> str:
+        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(skip)]
+        return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+
+    def recording(found: list[str],
+                  switch: Callable) -> Callable:  # the switch, noting where the tracer thread calls it
+        def record(*args) -> None:
+            if threading.get_ident() == tracer_thread:
+                found.append(where())
+            switch(*args)
+        return record
+
+    class RealDraws(TorchDispatchMode):  # ops on proxies never reach the dispatcher: these run for real
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in func.tags and not draws:
+                draws.append(f"{func} at {where()}")
+            return func(*args, **(kwargs or {}))
+
+    tensors = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+               if not t.is_inference()}  # an inference tensor has no version counter
+    versions = {name: t._version for name, t in tensors.items()}
+    # one patch of torch._C._set_grad_enabled (and torch.set_autocast_enabled: torch.autocast's switch) at a time
+    with _FX_TRACING:
+        set_grad_enabled, set_autocast_enabled = torch._C._set_grad_enabled, torch.set_autocast_enabled
+        torch._C._set_grad_enabled = recording(switches, set_grad_enabled)
+        torch.set_autocast_enabled = recording(autocasts, set_autocast_enabled)
+        try:
+            with RealDraws():
+                yield lost
+        finally:
+            torch._C._set_grad_enabled, torch.set_autocast_enabled = set_grad_enabled, set_autocast_enabled
+    written = [name for name, t in tensors.items() if t._version != versions[name]]
+    if switches:
+        lost.append(f"the forward switches grad mode (torch.no_grad(), set_grad_enabled) at {switches[0]}")
+    if autocasts:
+        lost.append(f"the forward switches autocast (torch.autocast) at {autocasts[0]}")
+    if draws:
+        lost.append(f"the forward draws random numbers from no traced argument ({draws[0]}), which fx would draw once "
+                    f"while tracing and keep as a constant")
+    if written:
+        lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
+                    f"while tracing")
+
