@@ -2,19 +2,26 @@
 path, file and line), which every pass's messages name."""
 from __future__ import annotations
 
+import functools
 import linecache
 import logging
 import os
 import re
+import sys
 import traceback
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
 
 class TraceError(RuntimeError):
-    """Neither fx nor torch.export could capture the model."""
+    """Neither fx nor torch.export could capture the model, or trace refuses what it would capture."""
+
+
+class ModuleCastRefused(TraceError):
+    """The forward casts or moves a module of the model in a way that changes a parameter or buffer
+    (model_state.module_casts_checked): refused on every route, none of which tries the next."""
 
 
 class BatchSpecialised(TraceError):
@@ -94,17 +101,46 @@ def first_line(error: BaseException) -> str:
 def user_frame(error: BaseException | None, model: torch.nn.Module) -> str:
     """" in module 'path' (file:line in function: code)" for the innermost frame of ``error`` in the model's own code,
     or ""; with ``error`` None, of the stack now (export deciding a branch)."""
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
-            os.path.dirname(logging.__file__) + os.sep, "<string>",
-            "<eval_with_key")  # torch, this package, logging (export_route's filter), the code trace and fx generate
-    stack = traceback.walk_tb(error.__traceback__) if error is not None else reversed(list(traceback.walk_stack(None)))
-    frames = [(frame, line) for frame, line in stack if not frame.f_code.co_filename.startswith(skip)]
-    if not frames:
+    if (found := _innermost_model_frame(error)) is None:
         return ""
-    frame, line = frames[-1]
+    frame, line = found
     code = frame.f_code
     owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     path = {id(m): name for name, m in model.named_modules()}.get(id(owner))
     where = f" in module {path or type(model).__name__!r}" if path is not None else ""
     source = linecache.getline(code.co_filename, line).strip()
     return f"{where} ({code.co_filename}:{line} in {code.co_name}: {source})"
+
+
+def model_line() -> str:
+    """"file:line: code" of the innermost frame of the user's code in the stack now, or ""."""
+    if (found := _innermost_model_frame(None)) is None:
+        return ""
+    frame, line = found
+    return f"{frame.f_code.co_filename}:{line}: {linecache.getline(frame.f_code.co_filename, line).strip()}"
+
+
+def _innermost_model_frame(error: BaseException | None) -> tuple[Any, int] | None:
+    """(frame, line) of the innermost frame of the user's code in ``error``'s traceback (None: the stack now)."""
+    if error is not None:
+        frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
+                  if in_model_code(frame.f_code.co_filename)]
+        return frames[-1] if frames else None
+    frame = sys._getframe(1)
+    while frame is not None and not in_model_code(frame.f_code.co_filename):
+        frame = frame.f_back
+    return (frame, frame.f_lineno) if frame is not None else None
+
+
+def in_model_code(filename: str) -> bool:
+    """Is ``filename`` the user's code (a model's, a library's), not torch's, autopipe's, logging's (export_route's
+    filter), nor code that trace, fx or export generate?"""
+    return not filename.startswith(_not_model_code())
+
+
+@functools.cache
+def _not_model_code() -> tuple[str, ...]:
+    autopipe = sys.modules.get("autopipe")  # the passes are autopipe.passes, which an editable install keeps apart
+    folders = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(logging.__file__),
+               *([os.path.dirname(autopipe.__file__)] if getattr(autopipe, "__file__", None) else []))
+    return (*(folder + os.sep for folder in folders), "<string>", "<eval_with_key")

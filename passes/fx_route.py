@@ -40,7 +40,7 @@ def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable
     # fx cannot call the model itself (it is no submodule of root): its forward, with its own forward hooks as its
     # __call__ runs them
     root = flat_root(model, traced, functools.partial(torch.nn.Module._call_impl, model))
-    with module_state_kept(model), _what_fx_cannot_record(model) as lost:
+    with module_state_kept(model), _what_fx_cannot_record(model) as lost, sizes_given_whole():
         traced.graph_module = fx.GraphModule(root, LeafTracer().trace(root), class_name=type(model).__name__)
     if traced.assigned:
         lost.append(f"the forward assigns {', '.join(traced.assigned)}, which fx runs once while tracing")
@@ -106,3 +106,33 @@ def _what_fx_cannot_record(model: torch.nn.Module):
         lost.append(f"the forward writes {', '.join(written)} in place with no traced argument, which fx runs once "
                     f"while tracing")
 
+
+# Note [sizes given one by one]: torch's factories that take ``*size`` (their docs: ``torch.ones(*size)``), for
+# ``torch.ones(batch_size, seq)`` with ``batch_size, seq = x.shape`` (transformers' default attention masks). Under fx
+# those sizes are Proxies, which torch's argument parser takes for no int and matches no overload ("ones() takes 1
+# positional argument but 2 were given"); given as one tuple, the Proxy's __torch_function__ records the call, whose
+# graph computes the sizes from the input's shape at each micro-batch.
+_SIZE_ONE_BY_ONE = ("empty", "ones", "rand", "randn", "zeros")
+
+
+@contextlib.contextmanager
+def sizes_given_whole():
+    """While fx traces: torch's ``*size`` factories called with a traced size among several (Note [sizes given one by
+    one]) are called with the sizes as one tuple, which fx records as the same function of the same sizes; any other
+    call goes through unchanged."""
+    def whole(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def call(*size, **kwargs):
+            if len(size) > 1 and any(isinstance(s, fx.Proxy) for s in size):
+                return factory(size, **kwargs)
+            return factory(*size, **kwargs)
+        return call
+
+    factories = {name: getattr(torch, name) for name in _SIZE_ONE_BY_ONE}
+    for name, factory in factories.items():
+        setattr(torch, name, whole(factory))
+    try:
+        yield
+    finally:
+        for name, factory in factories.items():
+            setattr(torch, name, factory)

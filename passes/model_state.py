@@ -3,9 +3,13 @@ hooks (docs/architecture.md, "Pitfalls measured"); each guard here puts one kind
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 
 import torch
 import torch.fx as fx
+
+from .diagnostics import ModuleCastRefused, model_line
 
 
 @contextlib.contextmanager
@@ -96,3 +100,45 @@ def scalar_buffers_kept(module: torch.nn.Module, every_buffer: bool = False):
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+_CASTS_CHECKED = threading.RLock()  # one patch of torch.nn.Module._apply at a time
+
+
+@contextlib.contextmanager
+def module_casts_checked(model: torch.nn.Module):
+    """While tracing: a forward's cast or move of a module of the model (``self.sub = self.sub.to(x.dtype)``,
+    ``.float()``, ``.half()``, ``.type()``, ``.cuda()``, ``.cpu()``: each is ``Module._apply``) that gives every
+    parameter and buffer back as it is, the plain model's no-op, is one here too, on both routes: export's fake
+    parameters would be swapped ("Couldn't swap Linear.weight"). One that would change a parameter or buffer is
+    ModuleCastRefused, naming the module and the line: a graph cannot change the model's tensors, and fx would change
+    them for real. Calls from other threads, on other modules or not from the model's code run as they are."""
+    modules = {id(m): name for name, m in model.named_modules()}
+    tracer_thread = threading.get_ident()
+    with _CASTS_CHECKED:
+        apply = torch.nn.Module._apply
+
+        def checked(module: torch.nn.Module, fn, recurse: bool = True):
+            where = model_line() if threading.get_ident() == tracer_thread and id(module) in modules else ""
+            if not where:
+                return apply(module, fn, recurse)
+            for name, t in itertools.chain(module.named_parameters(recurse=recurse),
+                                           module.named_buffers(recurse=recurse)):
+                applied = fn(t)  # not under no_grad as _apply: fx would take it for the forward's grad switch
+                if applied is not t:
+                    raise ModuleCastRefused(_cast_refused(modules[id(module)] or type(model).__name__, name, where,
+                                                          t, applied))
+            return module
+
+        torch.nn.Module._apply = checked
+        try:
+            yield
+        finally:
+            torch.nn.Module._apply = apply
+
+
+def _cast_refused(path: str, name: str, where: str, before: torch.Tensor, after: torch.Tensor) -> str:
+    changes = [f"{k} from {getattr(before, k)} to {getattr(after, k)}" for k in ("dtype", "device")
+               if getattr(before, k) != getattr(after, k)] or ["layout (a copy)"]
+    return (f"the forward casts {path!r} ({where}), changing {name}'s {' and '.join(changes)}, which a traced graph "
+            f"cannot do to the model. Cast it so before compiling, and that cast is a no-op; see docs/faithfulness.md")

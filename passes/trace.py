@@ -24,12 +24,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopipe.global_state import preserved_global_state
 
 from .custom_gradients import FunctionCall, kept_whole
-from .diagnostics import (BatchSpecialised, TraceError, explain_failures, first_line, listed, source_of,
-                          specialises_batch)
+from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, first_line,
+                          listed, source_of, specialises_batch)
 from .export_route import export_flat_graph
 from .fx_route import trace_fx
 from .microbatch_analysis.facts import literals, record_batch_facts
-from .model_state import buffers_kept, hooks_kept, module_state_kept, scalar_buffers_kept
+from .model_state import (buffers_kept, hooks_kept, module_casts_checked, module_state_kept,
+                          scalar_buffers_kept)
 from .traced_model import InputMismatch, TracedModel, grad_flags, named_leaves, per_sample_lists
 
 # the pass's names, importable from here wherever they are defined
@@ -50,7 +51,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         if route == "fx":
             raise ValueError("static_batch exports the model at a fixed batch size; it needs route='auto' or "
                              "'export', not 'fx' (an fx graph does not fix the batch size)")
-    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole() as ran_inline:
+    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole() as ran_inline, \
+            module_casts_checked(model):
         traced = _trace(model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if ran_inline:
         traced.notes.append(f"the model's torch.utils.checkpoint (reentrant) of "
@@ -87,7 +89,8 @@ def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_agai
     moved = [name for name in restored if name in ("NumPy random", "Python random")]
     if not moved:
         return []
-    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole():
+    with preserved_global_state() as guard, buffers_kept(model), fake_errors_unlogged(), kept_whole(), \
+            module_casts_checked(model):
         trace_again()
     return [name for name in moved if name in guard.restored]
 
@@ -120,6 +123,8 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                 traced = attempt()
             break
         except Exception as e:  # fx fails in many exception types
+            if (refused := next((c for c in causes(e) if isinstance(c, ModuleCastRefused)), None)) is not None:
+                raise refused from None  # every route would meet it
             errors.append((name, e))
     else:
         if static_batch is None and specialises_batch(errors[-1][1]):

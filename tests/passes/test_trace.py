@@ -599,3 +599,68 @@ def test_a_function_fx_keeps_whole_may_write_its_list_arguments():
     pipe(x).sum().backward()
     for (name, a), b in zip(plain.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class CastsItsSubmodules(nn.Module):
+    """Casts and moves its own submodules in its forward, as transformers' Switch router does (``self.classifier =
+    self.classifier.to(self.dtype)``): to the input's dtype and device (a Proxy on fx, which takes the export route),
+    or to its own ``dtype`` (both routes). A no-op in the plain model, once it is so."""
+
+    def __init__(self, to_input: bool, dtype=torch.float64):
+        super().__init__()
+        self.to_input, self.dtype = to_input, dtype
+        self.inner, self.gate, self.out = nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))  # an int buffer, which a cast to a dtype keeps
+
+    def forward(self, x):
+        if self.to_input:
+            self.inner = self.inner.to(x.dtype)
+            self.gate.to(x.device)
+        else:
+            self.inner = self.inner.to(self.dtype)
+            self.gate.to("cpu").type(self.dtype)
+            self.out.double()
+        return self.out(self.gate(self.inner(x)))
+
+
+@pytest.mark.parametrize("to_input, route", [(True, "auto"), (False, "fx"), (False, "export")])
+def test_a_forward_casting_its_own_submodule_as_it_is_traces_as_the_no_op_it_is(to_input, route):
+    """The export route swapped the fake parameters of a cast it ran (torch's "Couldn't swap Linear.weight"), also one
+    that changed nothing: a no-op of the plain model, now one in the trace too."""
+    torch.manual_seed(0)
+    model, x = CastsItsSubmodules(to_input).double(), torch.randn(6, 6, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    want = plain(x)
+    want.square().sum().backward()
+    pipe = autopipe.compile(model, devices=2, chunks=3, route=route, example_inputs=(x,))
+    assert pipe.plan.route == ("fx" if route == "fx" else "export")
+    got = pipe(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
+    model.zero_grad()
+    loss = pipe.step(x, target=torch.zeros(6, 3, dtype=torch.float64), loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(want, torch.zeros(6, 3, dtype=torch.float64)),
+                               rtol=1e-12, atol=1e-12)
+    assert all(p.dtype == torch.float64 for p in model.parameters()) and model.seen.dtype == torch.long
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_a_forward_cast_that_changes_a_parameter_is_refused_by_name_leaving_the_model_as_it_was(route):
+    """fx ran the cast for real on the model's parameters (a float64 model left with a float32 submodule); export
+    failed on torch's swap. A graph cannot change the model's parameters: refused, naming the module and the line."""
+    model, x = CastsItsSubmodules(False, dtype=torch.float32).double(), torch.randn(6, 6, dtype=torch.float64)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(TraceError) as refused:
+        trace(model, (x,), route=route)
+    message = str(refused.value)
+    assert message.startswith("the forward casts 'inner' (") and "test_trace.py:" in message
+    assert "self.inner = self.inner.to(self.dtype)" in message
+    assert "weight's dtype from torch.float64 to torch.float32" in message
+    assert "Cast it so before compiling" in message and "docs/faithfulness.md" in message
+    assert len(message.replace(__file__, "")) <= 300
+    assert not any("could not trace" in line for line in message.splitlines())  # refused as it is: no route avoids it
+    state = model.state_dict()
+    assert all(state[name].dtype == t.dtype and torch.equal(state[name], t) for name, t in before.items())
+
