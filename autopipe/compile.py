@@ -16,6 +16,7 @@ from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.memory_model import choose_configuration, predict_memory
 from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
+from autopipe.passes.diagnostics import failures_named
 from autopipe.passes.graph_capture import graph_capture
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
@@ -180,7 +181,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                                       if stream is not None]
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
-        with progress.run("partition") as report:
+        with progress.run("partition", model) as report:
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
                              analysis=analysis, cut_of=cut_of)
@@ -198,7 +199,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             return Program(traced=traced, plan=plan, stages=[])
         if before_codegen is not None:
             before_codegen(plan)
-        with progress.run("codegen") as report:
+        with progress.run("codegen", model) as report:
             stages = codegen(traced.graph_module, plan)
             report["detail"] = f"{len(stages)} stage modules"
         if after_codegen is not None:
@@ -277,10 +278,11 @@ def _on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
 def _trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch: int | None, progress: Progress):
     """The passes before the cut: trace, the micro-batch analysis of its graph (timed with trace: compile reports four
     passes), cost."""
-    with progress.run("trace") as report:
+    with progress.run("trace", model) as report:
         traced = trace(model, args, kwargs, leaf_modules=options.leaf_modules, route=options.route,
                        static_batch=static_batch)
-        analysis = analyse_micro_batches(traced)
+        with failures_named("micro-batch analysis", model):
+            analysis = analyse_micro_batches(traced)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
     if options.balance == "time":
@@ -292,7 +294,7 @@ def _trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch:
         rows = static_batch or micro_batch_sizes(traced.batch_size, options.chunks)[0]
         batch = traced.batch_size if static_batch is None else measure[0].shape[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
-    with progress.run("cost") as report:
+    with progress.run("cost", model) as report:
         costed = cost(traced, measure_inputs=measure)
         report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
     return traced, analysis, costed

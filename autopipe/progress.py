@@ -1,5 +1,6 @@
 """Compile progress: each pass reports its seconds and what it did to the ``autopipe`` logger (start at DEBUG,
-end at INFO), and to stderr with ``verbose=True``; the seconds stay on the Plan (``plan.pass_seconds``)."""
+end at INFO), and to stderr with ``verbose=True``; the seconds stay on the Plan (``plan.pass_seconds``). Every pass
+runs under ``Progress.run``: the one place where an exception escaping a pass becomes autopipe's."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,10 @@ import logging
 import sys
 import time
 from typing import Iterator
+
+import torch
+
+from autopipe.passes.diagnostics import failures_named
 
 logger = logging.getLogger("autopipe")
 
@@ -22,12 +27,14 @@ class Progress:
             print(f"autopipe: {message}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
-    def run(self, name: str) -> Iterator[dict[str, str]]:
-        """``with progress.run("trace") as report: ...; report["detail"] = "fx, 120 nodes"``."""
+    def run(self, name: str, model: torch.nn.Module | None = None) -> Iterator[dict[str, str]]:
+        """``with progress.run("trace", model) as report: ...; report["detail"] = "fx, 120 nodes"``. An exception
+        that escapes the pass leaves it as autopipe's, naming the pass and ``model``'s line (``failures_named``)."""
         self.say(f"{name} ...", logging.DEBUG)
         report: dict[str, str] = {}
         start = time.perf_counter()
-        yield report
+        with failures_named(name, model):
+            yield report
         seconds = time.perf_counter() - start
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.say(f"{name:<9} {seconds:7.3f} s" + (f"  ({report['detail']})" if report.get("detail") else ""))

@@ -1,7 +1,9 @@
-"""What a failed trace says, and where: the trace errors, and a node's or an error's place in the user's code (module
-path, file and line), which every pass's messages name."""
+"""What a failed pass says, and where: the compile and trace errors, a node's or an error's place in the user's code
+(module path, file and line), which every pass's messages name, and ``failures_named``, which makes any exception that
+escapes a pass autopipe's."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
 import logging
@@ -15,8 +17,20 @@ import torch
 import torch.fx as fx
 
 
-class TraceError(RuntimeError):
-    """Neither fx nor torch.export could capture the model, or trace refuses what it would capture."""
+class CompileError(RuntimeError):
+    """A compiler pass failed on the model: the message names the pass, the model's line where known, and what to try;
+    the exception raised there is the ``__cause__``."""
+
+    def __init__(self, message: str, pass_name: str = ""):
+        super().__init__(message)
+        self.pass_name = pass_name
+
+
+class TraceError(CompileError):
+    """The trace pass could not capture the model (neither fx nor torch.export), or refuses what it would capture."""
+
+    def __init__(self, message: str, pass_name: str = "trace"):
+        super().__init__(message, pass_name)
 
 
 class ModuleCastRefused(TraceError):
@@ -45,16 +59,11 @@ def node_where(node: fx.Node) -> str:
     parts = [f"node {node.name}"] + ([f"module {path}"] if path else [])
     # a frame is 'File "f.py", line 3, in forward' then, unless the file could not be read, its code
     frames = re.findall(r'File "(.+)", line (\d+), in .*(?:\n(?!\s*File )\s*(.*))?', node.meta.get("stack_trace") or "")
-    frames = [f for f in frames if not f[0].startswith(os.path.dirname(torch.__file__))] or frames
+    frames = [f for f in frames if in_model_code(f[0])] or frames
     if frames:
         file, line, code = frames[-1]
         parts.append(f"{file}:{line}: {code.strip()}" if code.strip() else f"{file}:{line}")
     return ", ".join(parts)
-
-
-def source_of(node: fx.Node | None) -> str:
-    frame = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:] if node is not None else []
-    return f"; at {' '.join(f.strip() for f in frame)}" if frame else ""
 
 
 def specialises_batch(error: BaseException | None) -> bool:
@@ -80,7 +89,7 @@ def causes(error: BaseException | None) -> Iterator[BaseException]:
 def explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseException]],
                      batch_size: int | None = None) -> str:
     lines = [f"autopipe could not trace {type(model).__name__}:"]
-    lines += [f"  - {route}: {type(e).__name__}: {first_line(e)}{user_frame(e, model)}" for route, e in errors]
+    lines += [f"  - {route}: {type(e).__name__}: {first_line(e)}{_located(e, model)}" for route, e in errors]
     if batch_size is not None:
         lines.append(f"The model's Python treats the batch size ({batch_size}) as a constant, so no graph runs every "
                      f"micro-batch size. It can still be pipelined with equal micro-batches: trace(..., "
@@ -92,6 +101,14 @@ def explain_failures(model: torch.nn.Module, errors: list[tuple[str, BaseExcepti
                      "keep untraceable submodules whole with compile(..., leaf_modules=[TheirClass]) (fx route), "
                      "or pass the non-tensor arguments that steer control flow as plain Python values.")
     return "\n".join(lines)
+
+
+def _located(error: BaseException, model: torch.nn.Module) -> str:
+    """Where in the model ``error`` was raised: the model's frame in its traceback, else the node a graph raised it
+    at."""
+    if where := user_frame(error, model):
+        return where
+    return f" (at {node_where(node)})" if (node := raised_at(error)) is not None else ""
 
 
 def first_line(error: BaseException) -> str:
@@ -120,6 +137,16 @@ def model_line() -> str:
     return f"{frame.f_code.co_filename}:{line}: {linecache.getline(frame.f_code.co_filename, line).strip()}"
 
 
+def model_frame() -> str:
+    """The innermost frame of the user's code in the stack now as a stack trace of that frame (node.stack_trace, which
+    node_where reads): torch's recorded stack traces summarise every frame, for every node."""
+    if (found := _innermost_model_frame(None)) is None:
+        return ""
+    frame, line = found
+    file = frame.f_code.co_filename
+    return f'File "{file}", line {line}, in {frame.f_code.co_name}\n    {linecache.getline(file, line).strip()}'
+
+
 def _innermost_model_frame(error: BaseException | None) -> tuple[Any, int] | None:
     """(frame, line) of the innermost frame of the user's code in ``error``'s traceback (None: the stack now)."""
     if error is not None:
@@ -144,3 +171,73 @@ def _not_model_code() -> tuple[str, ...]:
     folders = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(logging.__file__),
                *([os.path.dirname(autopipe.__file__)] if getattr(autopipe, "__file__", None) else []))
     return (*(folder + os.sep for folder in folders), "<string>", "<eval_with_key")
+
+
+# Note [the node an error was raised at]: an fx Interpreter's error says "While executing %name" in its text alone;
+# autopipe's interpreters (trace.MutableArguments) keep the node on the exception, for failures_named to name the
+# model's line (node_where) of an error raised while a graph runs.
+_FAILED_AT = "_autopipe_failed_at"
+
+
+def failed_at(error: BaseException, node: fx.Node) -> None:
+    """Keeps ``node`` on ``error`` as where it was raised (Note [the node an error was raised at]); the innermost
+    node where graphs nest."""
+    if getattr(error, _FAILED_AT, None) is None:
+        with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+            setattr(error, _FAILED_AT, node)
+
+
+def raised_at(error: BaseException) -> fx.Node | None:
+    """The graph node ``error`` (or an error it was raised from) was raised at, where an autopipe interpreter ran it."""
+    return next((node for e in causes(error) if (node := getattr(e, _FAILED_AT, None)) is not None), None)
+
+
+def where_in_model(error: BaseException, model: torch.nn.Module | None) -> tuple[str, str]:
+    """(where, module path): " at node n, module m, file:line: code" for the node a graph raised ``error`` at, else
+    " in module m (file:line ...)" for the innermost frame of the model's code in its traceback; ("", "") if neither."""
+    if (node := raised_at(error)) is not None:
+        stack = node.meta.get("nn_module_stack")
+        return f" at {node_where(node)}", list(stack.values())[-1][0] if stack else ""
+    for e in causes(error):
+        if model is not None and (frame := user_frame(e, model)):
+            return frame, (re.match(r" in module '([^']*)'", frame) or [None, ""])[1]
+    return "", ""
+
+
+# Errors a user must see as they are: no wrapping makes them clearer (a warning made an error by -W error included)
+PASSED_AS_THEY_ARE = (MemoryError, torch.OutOfMemoryError, Warning)
+
+
+def raised_by_autopipe(error: BaseException) -> bool:
+    """One of autopipe's own named errors: of a class autopipe defines, or raised by a ``raise`` in autopipe's code
+    (ValueError for a bad option); not torch's nor the model's, nor an autopipe bug."""
+    if type(error).__module__.split(".")[0] == "autopipe":
+        return True
+    frames = list(traceback.walk_tb(error.__traceback__))
+    if not frames:
+        return False
+    frame, line = frames[-1]
+    file = frame.f_code.co_filename
+    return not in_model_code(file) and not file.startswith(os.path.dirname(torch.__file__) + os.sep) \
+        and linecache.getline(file, line).lstrip().startswith("raise ")
+
+
+@contextlib.contextmanager
+def failures_named(pass_name: str, model: torch.nn.Module | None = None) -> Iterator[None]:
+    """Any exception escaping the pass leaves it as autopipe's: a CompileError (TraceError in the trace pass) naming
+    the pass, the model's line and what to try, the exception chained; autopipe's own named errors and
+    PASSED_AS_THEY_ARE pass unchanged (docs/faithfulness.md, "Errors named before anything runs")."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, PASSED_AS_THEY_ARE) or raised_by_autopipe(e):
+            raise
+        where, module = where_in_model(e, model)
+        where = where.strip() or "no line of the model found"
+        said = re.sub(r"^\S+\.(?:cpp|h|cu):\d+: ", "", first_line(e))  # torch's C++ file and line, no help here
+        said = said if len(said) <= 160 else said[:159] + "…"
+        keep = f"leaf_modules=[{module!r}] (keeps it whole), " if module else ""
+        error = TraceError if pass_name == "trace" else CompileError
+        raise error(f"autopipe's {pass_name} pass failed: {type(e).__name__}: {said} ({where}). Try {keep}"
+                    f"route='export', chunks=1, or example inputs of the sizes training uses; see docs/faithfulness.md",
+                    pass_name) from e

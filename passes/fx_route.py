@@ -16,14 +16,15 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .custom_gradients import backward_hooked
-from .diagnostics import TraceError, listed
+from .diagnostics import TraceError, listed, model_frame
 from .model_state import module_state_kept
 from .traced_model import TracedModel, flat_root
 
 
 def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable[type | str]) -> TracedModel:
     """``traced`` with the graph torch.fx.symbolic_trace records of the model's forward (``leaf_modules`` and modules
-    with backward hooks kept whole); TraceError where the graph would lose something the forward does."""
+    with backward hooks kept whole), its nodes with their stack traces; TraceError where the graph would lose
+    something the forward does."""
     leaves, hooked = tuple(leaf_modules), backward_hooked(model)
     if "" in hooked:
         raise TraceError(f"{type(model).__name__} itself has a backward hook (register_full_backward_hook): the "
@@ -32,6 +33,11 @@ def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable
 
     # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
     class LeafTracer(fx.Tracer):
+        def create_node(self, *args, **kwargs) -> fx.Node:  # the model's line in every pass's messages (node_where)
+            node = super().create_node(*args, **kwargs)
+            node.stack_trace = node.stack_trace or model_frame()
+            return node
+
         def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
             return any(name == leaf if isinstance(leaf, str) else isinstance(m, leaf)
                        for leaf in leaves) or name in hooked or \

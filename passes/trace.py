@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopipe.global_state import preserved_global_state
 
 from .custom_gradients import FunctionCall, kept_whole
-from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, first_line,
-                          listed, source_of, specialises_batch)
+from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, failed_at,
+                          first_line, listed, node_where, raised_at, specialises_batch)
 from .export_route import export_flat_graph
 from .fx_route import trace_fx
 from .microbatch_analysis.facts import literals, record_batch_facts
@@ -151,16 +151,9 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     try:
         _shaped(traced, inputs)
     except RuntimeError as e:
-        known = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
-        if not isinstance(e, known) and not re.search(r"\bu\d+\b",
-                                                      str(e)):  # else a size set by values (u0) in the failing op
+        if (refusal := _sized_by_values(model, traced.graph_module, e)) is None:
             raise
-        node = next((n for n in traced.graph_module.graph.nodes if "val" not in n.meta and n.op != "output"), None)
-        raise TraceError(f"{type(model).__name__}: {getattr(node, 'name', 'an op')} ({type(e).__name__}: "
-                         f"{first_line(e)}) has a shape that depends on the values of its input (boolean-mask indexing "
-                         f"x[mask], nonzero, unique), not only on the input shapes, which autopipe needs to cost and "
-                         f"cut the graph{source_of(node)}. Keep the shapes fixed (torch.where(mask, x, 0) with a "
-                         f"masked mean) or run it outside the model") from e
+        raise refusal from e
     if static_batch is not None:
         record_batch_facts(traced.graph_module, static_batch,
                            _static_graph_one_row_larger(model, traced.graph_module, whole, batch, static_batch))
@@ -168,12 +161,51 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
     try:
         record_batch_facts(traced.graph_module, batch, _grown(traced.graph_module, inputs, batch))
     except Exception as e:  # the graph runs at the traced batch size alone
-        failed = re.search(r"While executing %(\w+)", str(e))
-        node = next((n for n in traced.graph_module.graph.nodes if failed and n.name == failed.group(1)), None)
-        errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}{source_of(node)}", e))
+        errors.append((f"the {traced.route} graph at a batch of {traced.batch_size + 1}", e))
         message = explain_failures(model, errors, traced.batch_size)
         raise TraceError(message) if route == "fx" else BatchSpecialised(message, errors, traced.batch_size) from e
     return traced
+
+
+def _sized_by_values(model: torch.nn.Module, gm: fx.GraphModule, error: RuntimeError) -> TraceError | None:
+    """The refusal of a graph whose shapes follow from values, where autopipe costs and cuts it by shapes: an op sized
+    by numbers read from an input's values (``F.interpolate(x, size=sizes.tolist())``), naming that input, or one whose
+    output's shape the values set (x[mask], nonzero); None where ``error`` is another (failures_named names it)."""
+    node = raised_at(error) or next((n for n in gm.graph.nodes if "val" not in n.meta and n.op != "output"), None)
+    if reads := _numbers_read(node):
+        inputs = listed(sorted({repr(p.target) for r in reads for p in _ancestors(r) if p.op == "placeholder"}))
+        return TraceError(f"{type(model).__name__}: {node_where(node)} is sized by the values of "
+                          f"{inputs or 'a tensor'} (node {reads[0].name}); the trace pass needs sizes from shapes "
+                          f"alone. Pass them as Python ints, which the graph holds; see docs/faithfulness.md")
+    known = (DynamicOutputShapeException, DataDependentOutputException, GuardOnDataDependentSymNode)
+    if not isinstance(error, known) and not re.search(r"\bu\d+\b", str(error)):  # else a size set by values (u0)
+        return None
+    return TraceError(f"{type(model).__name__}: {node_where(node) if node is not None else 'an op'} "
+                      f"({type(error).__name__}: {first_line(error)}) has a shape that depends on the values of its "
+                      f"input (boolean-mask indexing x[mask], nonzero, unique), not only on the input shapes, which "
+                      f"autopipe needs to cost and cut the graph. Keep the shapes fixed (torch.where(mask, x, 0) with "
+                      f"a masked mean) or run it outside the model")
+
+
+def _ancestors(node: fx.Node) -> Iterator[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, stack = {node}, [node]
+    while stack:
+        yield (n := stack.pop())
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+
+
+def _numbers_read(node: fx.Node | None) -> list[fx.Node]:
+    """The nodes ``node`` depends on that read numbers from a tensor's values (``.tolist()``, ``.item()``): their value
+    holds a size known only at run time (u0), their inputs' values none."""
+    def values_set(n: fx.Node) -> bool:
+        return bool(free_unbacked_symbols(n.meta.get("val")))
+    return [] if node is None else [a for a in _ancestors(node) if a is not node and values_set(a)
+                                    and not isinstance(a.meta["val"], torch.Tensor)
+                                    and not any(map(values_set, a.all_input_nodes))]
 
 
 def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
@@ -237,8 +269,18 @@ def mutable(value: Any) -> Any:
 
 
 class MutableArguments(fx.Interpreter):
+    """autopipe's graph runs: a node's arguments ``mutable``, and a node that raises kept on its error (Note [the node
+    an error was raised at])."""
+
     def fetch_args_kwargs_from_env(self, n: fx.Node):
         return mutable(super().fetch_args_kwargs_from_env(n))
+
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except Exception as e:
+            failed_at(e, n)
+            raise
 
 
 class _FakeProp(MutableArguments, FakeTensorProp):

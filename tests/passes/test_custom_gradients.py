@@ -179,7 +179,7 @@ def test_what_export_cannot_keep_whole_is_refused_naming_the_function():
     with pytest.raises(autopipe.TraceError, match="SizedFunction.apply is given .*set by the batch size"):
         autopipe.compile(Sized(), devices=2, chunks=2, route="export", example_inputs=(torch.randn(4, 4),))
     # on fx the size is a traced value, passed to the call at run time: each micro-batch's own, which compile warns about, as for h * x.shape[0]
-    with pytest.warns(UserWarning, match="sized_function_apply computes batch rows with .*a number set by the batch size"):
+    with pytest.warns(UserWarning, match="sized_function_apply, .*test_custom_gradients.py:\\d+: .* computes batch rows with .*a number set by the batch size"):
         pipe = autopipe.compile(Sized().double(), devices=2, chunks=2, route="fx", example_inputs=(torch.randn(4, 4, dtype=torch.float64),))
     assert pipe.plan.route == "fx" and any("SizedFunction.apply" in note for note in pipe.plan.notes)
 

@@ -664,3 +664,28 @@ def test_a_forward_cast_that_changes_a_parameter_is_refused_by_name_leaving_the_
     state = model.state_dict()
     assert all(state[name].dtype == t.dtype and torch.equal(state[name], t) for name, t in before.items())
 
+
+class UpsampledBy(nn.Module):
+    """Upsamples to sizes read from an input's values, as a vision model sizes its upsampling from
+    ``spatial_shapes.tolist()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x, sizes):
+        return self.b(nn.functional.interpolate(self.a(x), size=sizes.tolist()))
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+def test_an_op_sized_by_an_inputs_values_is_refused_naming_the_line_the_input_and_the_pass(route):
+    """It ended compile with torch's raw "SymIntArrayRef expected to contain only concrete integers", naming no line,
+    no input, nothing to do."""
+    with pytest.raises(TraceError) as refused:
+        autopipe.compile(UpsampledBy(), devices=2, chunks=2, route=route,
+                         example_inputs=(torch.randn(4, 3, 8, 8), torch.tensor([12, 12])))
+    message = str(refused.value)
+    assert "test_trace.py:" in message and "nn.functional.interpolate(self.a(x), size=sizes.tolist())" in message
+    assert "the values of 'sizes'" in message and "trace pass" in message and "Pass them as Python ints" in message
+    assert "docs/faithfulness.md" in message and len(message.replace(__file__, "")) <= 300
+    assert "SymIntArrayRef" in str(refused.value.__cause__)  # torch's error, chained
