@@ -62,7 +62,7 @@ def node_where(node: fx.Node) -> str:
     frames = [f for f in frames if in_model_code(f[0])] or frames
     if frames:
         file, line, code = frames[-1]
-        parts.append(f"{file}:{line}: {code.strip()}" if code.strip() else f"{file}:{line}")
+        parts.append(f"{shown(file)}:{line}: {code.strip()}" if code.strip() else f"{shown(file)}:{line}")
     return ", ".join(parts)
 
 
@@ -126,7 +126,7 @@ def user_frame(error: BaseException | None, model: torch.nn.Module) -> str:
     path = {id(m): name for name, m in model.named_modules()}.get(id(owner))
     where = f" in module {path or type(model).__name__!r}" if path is not None else ""
     source = linecache.getline(code.co_filename, line).strip()
-    return f"{where} ({code.co_filename}:{line} in {code.co_name}: {source})"
+    return f"{where} ({shown(code.co_filename)}:{line} in {code.co_name}: {source})"
 
 
 def model_line() -> str:
@@ -134,7 +134,7 @@ def model_line() -> str:
     if (found := _innermost_model_frame(None)) is None:
         return ""
     frame, line = found
-    return f"{frame.f_code.co_filename}:{line}: {linecache.getline(frame.f_code.co_filename, line).strip()}"
+    return f"{shown(frame.f_code.co_filename)}:{line}: {linecache.getline(frame.f_code.co_filename, line).strip()}"
 
 
 def model_frame() -> str:
@@ -157,6 +157,14 @@ def _innermost_model_frame(error: BaseException | None) -> tuple[Any, int] | Non
     while frame is not None and not in_model_code(frame.f_code.co_filename):
         frame = frame.f_back
     return (frame, frame.f_lineno) if frame is not None else None
+
+
+def shown(filename: str) -> str:
+    """``filename`` as messages name it: relative to the working directory or to the folder on sys.path it is
+    imported from (site-packages: ``transformers/models/...``), whichever is shorter; as it is where neither holds."""
+    folders = [os.getcwd(), *(p for p in sys.path if p and os.path.isabs(p))]
+    relative = [filename[len(f) + 1:] for f in folders if filename.startswith(f.rstrip(os.sep) + os.sep)]
+    return min(relative, key=len, default=filename)
 
 
 def in_model_code(filename: str) -> bool:

@@ -138,7 +138,7 @@ def module_casts_checked(model: torch.nn.Module):
 
 
 def _cast_refused(path: str, name: str, where: str, before: torch.Tensor, after: torch.Tensor) -> str:
-    changes = [f"{k} from {getattr(before, k)} to {getattr(after, k)}" for k in ("dtype", "device")
+    changes = [f"{k} {getattr(before, k)} to {getattr(after, k)}" for k in ("dtype", "device")
                if getattr(before, k) != getattr(after, k)] or ["layout (a copy)"]
-    return (f"the forward casts {path!r} ({where}), changing {name}'s {' and '.join(changes)}, which a traced graph "
-            f"cannot do to the model. Cast it so before compiling, and that cast is a no-op; see docs/faithfulness.md")
+    return (f"the forward casts {path!r} ({where}), changing {name}'s {' and '.join(changes)}, which a graph cannot "
+            f"do. Cast it so before compiling; see docs/faithfulness.md")

@@ -88,5 +88,5 @@ def test_a_switch_router_casting_a_float64_classifier_to_float32_is_refused_nami
     message = str(refused.value)
     assert message.startswith("the forward casts 'encoder.block.0.layer.1.mlp.router.classifier' (")
     assert "modeling_switch_transformers.py:" in message and "self.classifier = self.classifier.to(self.dtype)" in message
-    assert "weight's dtype from torch.float64 to torch.float32" in message and "docs/faithfulness.md" in message
+    assert "weight's dtype torch.float64 to torch.float32" in message and "docs/faithfulness.md" in message
     assert all(p.dtype == torch.float64 for p in model.parameters())

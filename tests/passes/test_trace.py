@@ -657,9 +657,9 @@ def test_a_forward_cast_that_changes_a_parameter_is_refused_by_name_leaving_the_
     message = str(refused.value)
     assert message.startswith("the forward casts 'inner' (") and "test_trace.py:" in message
     assert "self.inner = self.inner.to(self.dtype)" in message
-    assert "weight's dtype from torch.float64 to torch.float32" in message
+    assert "weight's dtype torch.float64 to torch.float32" in message
     assert "Cast it so before compiling" in message and "docs/faithfulness.md" in message
-    assert len(message.replace(__file__, "")) <= 300
+    assert len(message) <= 300
     assert not any("could not trace" in line for line in message.splitlines())  # refused as it is: no route avoids it
     state = model.state_dict()
     assert all(state[name].dtype == t.dtype and torch.equal(state[name], t) for name, t in before.items())
@@ -687,5 +687,5 @@ def test_an_op_sized_by_an_inputs_values_is_refused_naming_the_line_the_input_an
     message = str(refused.value)
     assert "test_trace.py:" in message and "nn.functional.interpolate(self.a(x), size=sizes.tolist())" in message
     assert "the values of 'sizes'" in message and "trace pass" in message and "Pass them as Python ints" in message
-    assert "docs/faithfulness.md" in message and len(message.replace(__file__, "")) <= 300
+    assert "docs/faithfulness.md" in message and len(message) <= 300
     assert "SymIntArrayRef" in str(refused.value.__cause__)  # torch's error, chained
