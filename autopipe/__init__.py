@@ -1,7 +1,7 @@
 """autopipe: compile an unmodified PyTorch model into a pipeline (README.md; design: docs/architecture.md)."""
 from autopipe.compile import Options, compile, plan, run_passes
-from autopipe.errors import (BatchSpecialised, InputMismatch, NoFeasiblePlan, PipelineError, StageFailure, TraceError,
-                             UnroutedRandomOp)
+from autopipe.errors import (BatchSpecialised, CompileError, InputMismatch, ModuleCastRefused, NoFeasiblePlan,
+                             PipelineError, StageFailure, TraceError, UnroutedRandomOp)
 from autopipe.plan import Plan, StagePlan
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
@@ -10,6 +10,7 @@ from autopipe.runtime.streams import sm_slices
 from autopipe.verify import VerifyReport, verify
 
 __all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan",
-           "StagePlan", "Schedule", "VerifyReport", "BatchSpecialised", "InputMismatch", "NoFeasiblePlan",
+           "StagePlan", "Schedule", "VerifyReport", "BatchSpecialised", "CompileError", "InputMismatch",
+           "ModuleCastRefused", "NoFeasiblePlan",
            "PipelineError", "StageFailure", "TraceError", "UnroutedRandomOp", "sm_slices"]
 __version__ = "0.2.0"
