@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -21,6 +21,7 @@ from autopipe.plan import Plan, StagePlan
 
 from .custom_gradients import FunctionCall
 from .diagnostics import node_where
+from .inplace_writes import InPlaceWrites, find_inplace_writes, is_batch_norm
 
 
 class Stage(fx.GraphModule):
@@ -108,7 +109,7 @@ class _CodeGen(fx.graph.CodeGen):
 def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
     """Every stage of ``plan``; raises UnroutedRandomOp, or ValueError for a write another stage must see or an output
     the micro-batches cannot give."""
-    facts = _GraphFacts(graph_module)
+    facts = find_inplace_writes(graph_module)
     for name in plan.graph_outputs if plan.chunks > 1 else ():
         info = plan.tensors.get(name)
         if info is not None and info.mixes_samples:
@@ -129,7 +130,7 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         inputs = [facts.nodes[name] for name in sp.inputs]
         body = sorted((facts.nodes[n] for n in (*sp.replicated, *sp.nodes)), key=facts.order.__getitem__)
         routes = {n: r for n in body if (r := _route(n, graph_module, sp)) is not None}
-        writable = facts.check_writes(plan, sp, inputs, body)
+        writable = _check_writes(facts, plan, sp, inputs, body)
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for source in inputs:
@@ -261,146 +262,43 @@ def _attribute(root: torch.nn.Module, target: str) -> Any:
     return None
 
 
-# -- in-place writes and views --------------------------------------------------------
+# -- in-place writes --------------------------------------------------------------------
 
-_INPLACE_OPERATORS = frozenset({operator.setitem} | {getattr(operator, f"i{name}") for name in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")})
-_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
-# results that may share storage with their first argument: views, and conversions that may return ``self``
-_VIEW_NAMES = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "t", "T", "mT", "H", "mH", "adjoint",
-                         "permute", "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select", "split",
-                         "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "chunk", "unbind",
-                         "flatten", "unflatten", "ravel", "diagonal", "detach", "contiguous", "as_strided", "movedim",
-                         "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag", "view_as_real",
-                         "view_as_complex", "conj", "resolve_conj", "resolve_neg", "alias", "to", "type", "type_as",
-                         "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "char", "byte", "cpu",
-                         "cuda", "data", "__getitem__", "align_to", "rename", "refine_names", "indices", "values"})
-_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index"})
+def _check_writes(facts: InPlaceWrites, plan: Plan, sp: StagePlan, inputs: list[fx.Node],
+                  body: list[fx.Node]) -> list[fx.Node]:
+    """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or the
+    model's output) would have to see: each stage gets its own copy of what it receives. A safety net: partition keeps
+    each write with the reads that must see it (InPlaceWrites.reads), so no plan of its own should meet it."""
+    input_set, body_set, own = set(inputs), set(body), {facts.nodes[n] for n in sp.nodes}
+    recomputed_elsewhere = {facts.nodes[n] for s in plan.stages if s.index != sp.index for n in s.replicated}
 
+    def local_root(a: fx.Node) -> fx.Node:  # follow views back to a stage input or a tensor made here
+        while a not in input_set and facts.alias[a] is not None:
+            a = facts.alias[a]
+        return a
 
-def _effects(node: fx.Node, module_of: Callable[[str], torch.nn.Module]) -> tuple[fx.Node | None, list[fx.Node]]:
-    """(the argument whose storage ``node``'s result may share, the arguments it writes in place)."""
-    if node.op not in ("call_function", "call_method", "call_module"):
-        return None, []
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    target = random_ops.resolve(node.target, node.args, node.kwargs)
-    aliased, written = [], []
-    if node.op == "call_module":
-        if getattr(module_of(target), "inplace", False) is True:
-            aliased, written = [first], [first if first is not None else node.kwargs.get("input")]
-    elif isinstance(target, HigherOrderOperator):  # export's no_grad / autocast region: what its subgraph writes
-        at = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
-                   and isinstance(module_of(a.target), fx.GraphModule)), None)
-        if at is not None:
-            facts, operands = _GraphFacts(module_of(node.args[at].target)), node.args[at + 1:]
-            places = {p: a for p, a in zip(facts.order, operands) if p.op == "placeholder"}
-            written = [places[facts.base[w]] for ws in facts.writes.values() for w in ws if facts.base[w] in places]
-    elif isinstance(target, OpOverload):
-        returned = set().union(*(r.alias_info.before_set for r in target._schema.returns if r.alias_info is not None))
-        for i, a in enumerate(target._schema.arguments):
-            value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
-            if a.alias_info is not None and a.alias_info.is_write:
-                written += _nodes_in(value)
-            if a.alias_info is not None and a.alias_info.before_set & returned and i < len(node.args):
-                aliased += _nodes_in(value)
-    else:  # in place: x.mul_(2), x += y, x[i] = y, F.relu(x, inplace=True)
-        name, signature = random_ops.op_name(target), random_ops.signature_of(target)
-        inplace = signature is not None and "inplace" in signature.parameters \
-            and (random_ops.bind(target, node.args, node.kwargs) or {}).get("inplace") is True
-        if inplace or (name.endswith("_")
-                       and not name.startswith("__")) or name in _INPLACE_DUNDERS or target in _INPLACE_OPERATORS:
-            written = [first]
-        if node.op == "call_method":
-            view = target in _VIEW_NAMES
-        elif target is operator.getitem:  # a tensor indexed by tensors or lists is copied; a tuple's item aliases
-            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            view = first is None or not isinstance(first.meta.get("val"),
-                                                   torch.Tensor) or not any(isinstance(p, list)
-                                                                            or (isinstance(p, fx.Node)
-                                                                                and isinstance(p.meta.get("val"),
-                                                                                               torch.Tensor))
-                                                                            for p in index)
-        else:  # torch.Tensor.view is a method descriptor: its class names the module
-            module = getattr(target, "__module__", None) or getattr(getattr(target, "__objclass__", None),
-                                                                    "__module__", "")
-            view = target is getattr or (str(module).startswith("torch") and name in _VIEW_NAMES)
-        aliased = [first] if view or written else []
-    if node.op != "call_module":
-        if random_ops.op_name(target) in _BATCH_NORMS:  # their schemas do not mark the running stats written
-            bound = random_ops.bind(target, node.args, node.kwargs) or {}
-            if bound.get("training") or bound.get("use_input_stats"):
-                written += _nodes_in([bound.get("running_mean"), bound.get("running_var")])
-        written += _nodes_in(node.kwargs.get("out"))
-    alias = aliased[0] if aliased and first is not None and _may_be_tensor(node, containers=True) else None
-    return alias, [n for n in dict.fromkeys(written) if isinstance(n, fx.Node) and _may_be_tensor(n)]
-
-
-def _nodes_in(value: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(value, found.append)
-    return found
-
-
-def _may_be_tensor(node: fx.Node, containers: bool = False) -> bool:
-    val = node.meta.get("val", node.meta.get("example_value"))
-    values = val if containers and isinstance(val, (tuple, list)) else [val]
-    return val is None or any(isinstance(v, torch.Tensor) for v in values)
-
-
-class _GraphFacts:
-    """Per node: its order, the node whose storage it may share, the storage's first owner, what it writes."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.nodes = {n.name: n for n in gm.graph.nodes}
-        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.alias: dict[fx.Node, fx.Node | None] = {}
-        self.base: dict[fx.Node, fx.Node] = {}
-        self.writes: dict[fx.Node, list[fx.Node]] = {}
-        for n in gm.graph.nodes:
-            self.alias[n], self.writes[n] = _effects(n, gm.get_submodule)
-            self.base[n] = n if self.alias[n] is None else self.base[self.alias[n]]
-
-    def views_back(self, node: fx.Node):
-        """``node``, the tensor it is a view of, that one's, ... back to a tensor no view made."""
-        while node is not None:
-            yield node
-            node = self.alias[node]
-
-    def check_writes(self, plan: Plan, sp: StagePlan, inputs: list[fx.Node], body: list[fx.Node]) -> list[fx.Node]:
-        """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or
-        the model's output) would have to see: each stage gets its own copy of what it receives."""
-        input_set, body_set, own = set(inputs), set(body), {self.nodes[n] for n in sp.nodes}
-        recomputed_elsewhere = {self.nodes[n] for s in plan.stages if s.index != sp.index for n in s.replicated}
-
-        def local_root(a: fx.Node) -> fx.Node:  # follow views back to a stage input or a tensor made here
-            while a not in input_set and self.alias[a] is not None:
-                a = self.alias[a]
-            return a
-
-        for w in body:
-            for a in self.writes[w]:
-                root = local_root(a)
-                if self.base[a].op == "get_attr":  # a buffer: every stage holds the same object
-                    continue
-                for m in [m for m in self.base if self.base[m] is self.base[a]]:  # all that share a's storage
-                    same = (m in body_set or m in input_set) and local_root(m) is root
-                    if m not in body_set and m not in input_set and any(v in own for v in self.views_back(m)):
-                        continue  # a later stage's view of what this stage sent once it had run, the write included
-                    for u in m.users:
-                        # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this
-                        # stage sends, which is the
-                        # write's result only for a tensor made here
-                        elsewhere = u not in body_set or u in recomputed_elsewhere
-                        if self.order[u] > self.order[w] and not (same and (m in own or not elsewhere)):
-                            reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
-                            raise ValueError(
-                                f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose "
-                                f"value {reader} reads afterwards through {m.name}; each stage gets its own copy of a "
-                                f"tensor it receives, so that read would not see the write. Write out of place there "
-                                f"(x = x + y rather than x += y, inplace=False), or move the cut.")
-        return list(dict.fromkeys(root
-                                  for root in (local_root(a) for w in body
-                                               for a in self.writes[w]) if root in input_set))
+    for w in body:
+        for a in facts.writes[w]:
+            root = local_root(a)
+            if facts.base[a].op == "get_attr":  # a buffer: every stage holds the same object
+                continue
+            for m in facts.sharing(a):
+                same = (m in body_set or m in input_set) and local_root(m) is root
+                if m not in body_set and m not in input_set and any(v in own for v in facts.views_back(m)):
+                    continue  # a later stage's view of what this stage sent once it had run, the write included
+                for u in m.users:
+                    # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this stage
+                    # sends, which is the write's result only for a tensor made here
+                    elsewhere = u not in body_set or u in recomputed_elsewhere
+                    if facts.order[u] > facts.order[w] and not (same and (m in own or not elsewhere)):
+                        reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
+                        raise ValueError(
+                            f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value "
+                            f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor it "
+                            f"receives, so that read would not see the write. Write out of place there (x = x + y "
+                            f"rather than x += y, inplace=False); see docs/faithfulness.md")
+    return list(dict.fromkeys(root
+                              for root in (local_root(a) for w in body for a in facts.writes[w]) if root in input_set))
 
 
 def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -408,7 +306,7 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
     by in-place ops; those of them no BatchNorm writes)."""
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
-    facts, written = _GraphFacts(stage), []
+    facts, written = find_inplace_writes(stage), []
     # code the graph does not show may write its buffers: spectral_norm's power iteration
     for node in stage.graph.find_nodes(op="call_module"):
         module = stage.get_submodule(node.target)
@@ -417,8 +315,7 @@ def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tenso
             written += [b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._NormBase)
                         for b in m.buffers(recurse=False)]
     for node, args in facts.writes.items():
-        by_norm = node.op != "call_module" and random_ops.op_name(random_ops.resolve(node.target, node.args,
-                                                                                     node.kwargs)) in _BATCH_NORMS
+        by_norm = is_batch_norm(node)
         for base in (facts.base[a] for a in args):
             value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .kept_ranges import KeptRanges
+
 
 @dataclass(frozen=True)
 class CutProblem:
@@ -26,6 +28,8 @@ class CutProblem:
     shared_memory: Sequence[tuple[float, Sequence[int]]] | None = None  # (bytes, nodes): once per stage using it
     activation_multiplier: float = 0.0  # a stage also holds this times the bytes live across its first cut
     memory_cap: float | None = None  # per-stage cap on the memory above
+    # each entry: (first, last) ranges of nodes that share a node; one stage holds at least one of them whole
+    kept_whole: Sequence[Sequence[tuple[int, int]]] = ()
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,16 @@ class CutSolution:
 
 class NoFeasiblePlan(ValueError):
     """No split fits the memory cap; the message names the most memory-balanced split's stages over it."""
+
+
+class NoCutKeepsWhole(NoFeasiblePlan):
+    """No plan within (1 + tolerance) of the optimum keeps every ``kept_whole`` entry. ``entry``: the index of one that
+    the best plan ignoring them breaks; ``least_bottleneck``: the least bottleneck of a plan that keeps them all (inf:
+    none at this number of stages); ``optimum``: the least bottleneck of any plan."""
+
+    def __init__(self, message: str, entry: int, least_bottleneck: float, optimum: float):
+        super().__init__(message)
+        self.entry, self.least_bottleneck, self.optimum = entry, least_bottleneck, optimum
 
 
 class _Chain:
@@ -67,6 +81,7 @@ class _Chain:
         self.memory_end = np.full(n, n) if self.cap is None else self.reach(self.cap)
         self.envelope = np.maximum.accumulate(self.memory_end)
         self.ceiling = float(self.prefix[-1])  # no stage costs more
+        self.kept = KeptRanges(problem.kept_whole, n)
 
     def cost(self, a, b):
         return self.prefix[b] - self.prefix[a]
@@ -136,6 +151,11 @@ def _validated_size(problem: CutProblem) -> int:
             raise ValueError(f"{name} must be finite and non-negative")
     if problem.memory_cap is not None and not problem.memory_cap >= 0:
         raise ValueError(f"memory_cap must be non-negative or None, got {problem.memory_cap!r}")
+    for ranges in problem.kept_whole:
+        if not ranges or not all(0 <= first <= last < n for first, last in ranges) or \
+                max(first for first, _ in ranges) > min(last for _, last in ranges):
+            raise ValueError(f"each kept_whole entry must be (first, last) ranges with 0 <= first <= last < {n} that "
+                             f"share a node, got {list(ranges)}")
     return n
 
 
@@ -185,7 +205,8 @@ def _smallest_bound(probe, bottom: float, ceiling: float) -> tuple[float, tuple[
 
 def solve_cuts(problem: CutProblem) -> CutSolution:
     """B*: the relaxation's optimum, exact when splitting a stage never holds more, else a start for the exact search;
-    then the fewest crossings within (1 + tolerance) B*."""
+    then the fewest crossings within (1 + tolerance) B* among plans that keep every ``kept_whole`` entry (B* ignores
+    them: the tolerance is what keeping them may cost; NoCutKeepsWhole where no plan within it keeps them all)."""
     chain = _Chain(problem)
 
     def relaxed(bound: float):
@@ -194,32 +215,50 @@ def solve_cuts(problem: CutProblem) -> CutSolution:
             return widen, None
         return float(chain.cost(np.array(high[:-1]), np.array(high[1:])).max()), tuple(high[:-1])
 
-    def exact(bound: float):
-        low, high, missed = chain.bands(bound)
-        if any(lo > hi for lo, hi in zip(low, high)):
-            return missed, None
-        layers, missed = _layers(chain, low, high, chain.memory_end, bound, missed)
-        if not layers[-1][chain.n]:
-            return missed, None
-        plan = _trace_back(chain.n, low, high, _admissible(chain, layers, chain.memory_end, bound), chain.cost)
-        return max(chain.solution(plan, 0.0).stage_costs), plan
-
     optimum, _ = _smallest_bound(relaxed, 0.0, chain.ceiling)
     if chain.cap is not None and chain.activation.any() and not math.isinf(optimum):
-        optimum, _ = _smallest_bound(exact, optimum, chain.ceiling)
+        optimum, _ = _smallest_bound(lambda bound: _exact(chain, bound), optimum, chain.ceiling)
     if math.isinf(optimum):
         _raise_no_fit(chain)
-    return chain.solution(_fewest_crossings(chain, (1.0 + problem.tolerance) * optimum), optimum)
+    bound = (1.0 + problem.tolerance) * optimum
+    plan = _fewest_crossings(chain, bound, chain.kept)
+    if plan is None:
+        _raise_cut_through_kept(chain, problem, bound, optimum)
+    return chain.solution(plan, optimum)
 
 
-def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.inf):
-    """layers[s][p]: nodes [0, p) split into s stages, cut s in [low[s], high[s]], each stage [a, b) with b <= end[a]
-    and cost <= bound; and the least missed stage cost (nothing changes below it)."""
+def _exact(chain: _Chain, bound: float, kept: KeptRanges | None = None):
+    """A probe for _smallest_bound: the least bottleneck's plan by the exact layered search, keeping ``kept``."""
+    low, high, missed = chain.bands(bound)
+    if any(lo > hi for lo, hi in zip(low, high)):
+        return missed, None
+    layers, missed = _layers(chain, low, high, chain.memory_end, bound, missed, kept)
+    if not layers[-1][chain.n]:
+        return missed, None
+    plan = _trace_back(chain.n, low, high, _admissible(chain, layers, chain.memory_end, bound, kept), chain.cost)
+    return max(chain.solution(plan, 0.0).stage_costs), plan
+
+
+def _raise_cut_through_kept(chain: _Chain, problem: CutProblem, bound: float, optimum: float):
+    """NoCutKeepsWhole naming an entry the best plan that ignores them breaks, with the least bottleneck of a plan
+    that keeps them all."""
+    starts = _fewest_crossings(chain, bound)
+    assert starts is not None, "the optimal plan is within its own bound"
+    entry = chain.kept.broken(starts)
+    least, _ = _smallest_bound(lambda at: _exact(chain, at, chain.kept), bound, chain.ceiling)
+    raise NoCutKeepsWhole(f"no {chain.stages} stages within {bound:g} (the optimum {optimum:g} times 1 + tolerance) "
+                          f"keep one of {list(problem.kept_whole[entry])} in one stage; the least bottleneck of a plan "
+                          f"that keeps them all is {least:g}", entry, least, optimum)
+
+
+def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.inf, kept: KeptRanges | None = None):
+    """layers[s][p]: nodes [0, p) split into s stages, cut s in [low[s], high[s]], each stage [a, b) with b <= end[a],
+    cost <= bound and keeping ``kept``; and the least missed stage cost (nothing changes below it)."""
     reach = np.zeros(chain.n + 1, dtype=bool)
     reach[0] = True
     layers = [reach]
     for s in range(1, len(low)):
-        starts, first, last = _stage_intervals(reach, low, high, s, end)
+        starts, first, last = _stage_intervals(reach, low, high, s, end, kept)
         band = slice(low[s], high[s] + 1)
         cost = chain.prefix[band] + _cover_min(-chain.prefix[starts], first, last, high[s] - low[s] + 1, 0, math.inf)
         hit = cost <= bound  # cost is inf where no start covers
@@ -230,16 +269,25 @@ def _layers(chain: _Chain, low, high, end, bound: float, missed: float = math.in
     return layers, missed
 
 
-def _admissible(chain: _Chain, layers, end, bound: float):
-    return lambda s, a, b: layers[s - 1][a] & (end[a] >= b) & (chain.cost(a, b) <= bound)
+def _admissible(chain: _Chain, layers, end, bound: float, kept: KeptRanges | None = None):
+    return lambda s, a, b: layers[s - 1][a] & (end[a] >= b) & (chain.cost(a, b) <= bound) & _keeps(kept, a, b)
 
 
-def _stage_intervals(reach, low, high, s, end):
+def _keeps(kept: KeptRanges | None, a, b):
+    return True if not kept else kept.allows(a, b)
+
+
+def _stage_intervals(reach, low, high, s, end, kept: KeptRanges | None = None):
     """The starts a reached in cut s-1's band and the ends (a, end[a]] each may close stage s at, clipped to cut s's
-    band and counted from its first position."""
+    band and counted from its first position; with ``kept``, a start's ends are the intervals it allows (the start
+    repeated, in order)."""
     starts = low[s - 1] + np.flatnonzero(reach[low[s - 1]: high[s - 1] + 1])
-    first = np.maximum(starts + 1, low[s]) - low[s]
-    last = np.minimum(end[starts], high[s]) - low[s]
+    first, last = starts + 1, end[starts]
+    if kept:
+        owner, first, last = kept.ends(starts)
+        starts, last = starts[owner], np.minimum(last, end[starts[owner]])
+    first = np.maximum(first, low[s]) - low[s]
+    last = np.minimum(last, high[s]) - low[s]
     ok = first <= last
     return starts[ok], first[ok], last[ok]
 
@@ -255,26 +303,28 @@ def _trace_back(n: int, low, high, admissible, price) -> tuple[int, ...]:
     return tuple(reversed(plan))
 
 
-def _fewest_crossings(chain: _Chain, bound: float) -> tuple[int, ...]:
-    """K stages, each costing <= bound and fitting memory, with the least summed cut key: a shortest path through K
-    layers. The starts that may close at b are intervals covering b with prefix >= prefix[b] - bound."""
+def _fewest_crossings(chain: _Chain, bound: float, kept: KeptRanges | None = None) -> tuple[int, ...] | None:
+    """K stages, each costing <= bound, fitting memory and keeping ``kept``, with the least summed cut key: a shortest
+    path through K layers (None: no such plan). The starts that may close at b are intervals covering b with prefix
+    >= prefix[b] - bound."""
     n, k, (low, high, _) = chain.n, chain.stages, chain.bands(bound)
     keys, infinity = chain.cut_keys()
     totals = [np.zeros(1, dtype=keys.dtype)]  # totals[s][p - low[s]]: least key sum of s stages over [0, p)
     for s in range(1, k + 1):
         reached = np.zeros(n + 1, dtype=bool)
         reached[low[s - 1]: high[s - 1] + 1] = totals[-1] < infinity
-        starts, first, last = _stage_intervals(reached, low, high, s, chain.memory_end)
+        starts, first, last = _stage_intervals(reached, low, high, s, chain.memory_end, kept)
         band = np.arange(low[s], high[s] + 1)
         # the same subtraction as cost(a, b), so that no rounding separates the two
         need = _last_ok(lambda j: chain.cost(starts[j], band) > bound, np.zeros_like(band), len(starts) - 1) + 1
         best = _cover_min(totals[-1][starts - low[s - 1]], first, last, len(band), need, infinity)
         totals.append(np.minimum(best + keys[band], infinity))
-    assert totals[k][0] < infinity, "the optimal plan is within its own bound"
+    if not totals[k][0] < infinity:
+        return None
 
     def admissible(s, a, b):
         return (totals[s - 1][a - low[s - 1]] == totals[s][b - low[s]] - keys[b]) & (chain.memory_end[a] >= b) \
-            & (chain.cost(a, b) <= bound)
+            & (chain.cost(a, b) <= bound) & _keeps(kept, a, b)
 
     return _trace_back(n, low, high, admissible, chain.cost)
 

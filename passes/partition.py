@@ -1,8 +1,10 @@
 """The partition pass: a costed graph -> a CutProblem for passes/cut_solver.py -> a Plan. Replicated cheap nodes,
-getitems kept with their producers, tied weights: docs/architecture.md, "Contracts between passes". How each value
-merges over micro-batches is the micro-batch analysis's (passes/microbatch_analysis/); the plan carries it per value."""
+getitems kept with their producers, tied weights, in-place writes kept with the reads that must see them:
+docs/architecture.md, "Contracts between passes". How each value merges over micro-batches is the micro-batch
+analysis's (passes/microbatch_analysis/); the plan carries it per value."""
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
@@ -14,7 +16,10 @@ from autopipe.plan import Plan, StagePlan, TensorInfo
 from autopipe.random_ops import is_random_target, op_name
 
 from .cost import CostedGraph
-from .cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+from .cut_solver import CutProblem, CutSolution, NoCutKeepsWhole, NoFeasiblePlan, solve_cuts
+from .diagnostics import node_where
+from .inplace_writes import InPlaceWrites, ReadAfterWrite, find_inplace_writes
+from .kept_ranges import KeptRanges
 from .microbatch_analysis import MicroBatchAnalysis, analyse_micro_batches
 from .microbatch_analysis.facts import is_inplace, rows_per_sample
 
@@ -26,13 +31,15 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
               notes: Sequence[str] = (), analysis: MicroBatchAnalysis | None = None,
               cut_of: Plan | None = None) -> Plan:
     """``n_stages`` contiguous stages of ``costed``'s graph. ``analysis``: the micro-batch analysis of its graph (run
-    here where not given). ``cut_of``: a plan of the same model traced at other input shapes: its cut is kept where
-    this graph has the same nodes (each node in the stage it had there), else the cut is solved anew."""
+    here where not given). Raises NoFeasiblePlan naming an in-place write where no cut within ``tolerance`` keeps it
+    in one stage with the reads that must see it. ``cut_of``: a plan of the same model traced at other input shapes:
+    its cut is kept where this graph has the same nodes (each node in the stage it had there), else solved anew."""
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
     weight_of = dict(zip(every, _weights(costed, every, balance)))
-    free = _replicable(gm, weight_of, set(outputs), n_stages)
+    writes = find_inplace_writes(gm)
+    free = _replicable(gm, weight_of, set(outputs), n_stages, _written_or_read_after(writes))
     order, groups = _groups(every, free)
     if n_stages > len(order):
         raise ValueError(f"{n_stages} stages asked for, but the traced graph has only {len(order)} operations to "
@@ -56,16 +63,21 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
                 readers.setdefault(p, set()).add(i)
         shared = [(costed.tensor_bytes[p] * (4.0 if _is_param(gm, p) else 1.0), sorted(r)) for p, r in readers.items()]
     weights = [sum(weight_of[m] for m in groups[n]) for n in order]
-    kept = _starts_as(cut_of, order, groups, n_stages) if cut_of is not None else None
-    if kept is not None:
-        starts, optimum = kept, float("nan")
+    kept = _writes_kept_whole(writes, index, weights)
+    pinned = _starts_as(cut_of, order, groups, n_stages) if cut_of is not None else None
+    if pinned is not None:  # the cut of a plan of the same graph, which kept the writes already
+        starts, optimum = pinned, float("nan")
     elif isinstance(balance, str):
-        solution = solve_cuts(CutProblem(weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages,
-                                         tolerance=tolerance, shared_memory=shared, memory_cap=memory_cap,
-                                         activation_multiplier=float(chunks)))
+        solution = _solve_keeping_writes(CutProblem(
+            weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
+            shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks),
+            kept_whole=[ranges for ranges, _ in kept]), kept)
         starts, optimum = list(solution.starts), solution.optimum
     else:
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
+        if (broken := KeptRanges([ranges for ranges, _ in kept], len(order)).broken(starts)) is not None:
+            raise NoFeasiblePlan(_write_cut_off(kept[broken][1], f"{n_stages} stages by balance={list(balance)}",
+                                                "other shares may"))
     ends = starts[1:] + [len(order)]
     stage_of = {m: s for s in range(n_stages) for n in order[starts[s]:ends[s]] for m in groups[n]}
     analysis = analysis if analysis is not None else analyse_micro_batches(costed.traced)
@@ -126,6 +138,67 @@ def _varying_sizes_kept_whole(order: list[fx.Node], groups: dict[fx.Node, list[f
     return kept
 
 
+def _written_or_read_after(writes: InPlaceWrites) -> set[fx.Node]:
+    """The nodes no stage may recompute for itself: each write in place, and each node a read after a write needs in
+    the writing stage (a recomputed copy would not hold the write)."""
+    needed = {n for n, written in writes.writes.items() if written}
+    for read in writes.reads:
+        needed.update(*read.ways)
+    return needed
+
+
+def _writes_kept_whole(writes: InPlaceWrites, index: dict[fx.Node, int],
+                       weights: list[float]) -> list[tuple[list[tuple[int, int]], ReadAfterWrite]]:
+    """Per in-place write that a cut could hide from a later read: the ranges of solver units of which one stage must
+    hold one whole (CutProblem.kept_whole), and the read that reaches furthest in the lightest. Each read sees the
+    write in a few ways (InPlaceWrites.reads), each a range around the write; the write is seen by all its reads when
+    one stage holds, for some first unit, the union of each read's range that starts there or later and ends first.
+    A read with no way at all is refused."""
+    prefix = np.concatenate(([0.0], np.cumsum(weights)))
+    ways: dict[fx.Node, list[tuple[ReadAfterWrite, list[tuple[int, int]]]]] = {}
+    for read in writes.reads:
+        ranges = [(min(at), max(at)) for nodes in read.ways
+                  if all(n in index for n in nodes) for at in [[index[n] for n in nodes]]]
+        if not ranges:  # the model returns an input it wrote in place
+            raise NoFeasiblePlan(
+                f"{op_name(read.write.target)} ({node_where(read.write)}) writes in place to the model input "
+                f"{read.through.name}, which the model returns: each stage gets its own copy of its inputs, so no "
+                f"stage returns the write. Return the write's result (y = x.add_(1); return y) or write out of place; "
+                f"see docs/faithfulness.md")
+        ways.setdefault(read.write, []).append((read, ranges))
+    kept = []
+    for options in ways.values():
+        unions = []
+        for low in sorted({first for _, ranges in options for first, _ in ranges}):
+            chosen = [min((r for r in ranges if r[0] >= low), key=lambda r: r[1], default=None)
+                      for _, ranges in options]
+            if None not in chosen:
+                first, last = min(r[0] for r in chosen), max(r[1] for r in chosen)
+                furthest = next(read for (read, _), r in zip(options, chosen) if r[1] == last)
+                unions.append((prefix[last + 1] - prefix[first], (first, last), furthest))
+        kept.append(([span for _, span, _ in unions], min(unions, key=lambda u: u[0])[2]))
+    return kept
+
+
+def _solve_keeping_writes(problem: CutProblem, kept: list[tuple[list[tuple[int, int]], ReadAfterWrite]]) -> CutSolution:
+    """solve_cuts, refusing by name a write no plan within the tolerance keeps with its reads."""
+    try:
+        return solve_cuts(problem)
+    except NoCutKeepsWhole as e:
+        need = e.least_bottleneck / e.optimum - 1 if e.optimum else math.inf
+        asked = f"{problem.n_stages} stages within tolerance={problem.tolerance:g}"
+        instead = f"tolerance={math.ceil(need * 100) / 100:g} does" if need < math.inf else "nor at any tolerance"
+        raise NoFeasiblePlan(_write_cut_off(kept[e.entry][1], asked, instead)) from None
+
+
+def _write_cut_off(read: ReadAfterWrite, asked: str, instead: str) -> str:
+    w, reader = read.write, "the model's output" if read.reader.op == "output" else read.reader.name
+    through = "" if read.through is read.written else f" through {read.through.name}"
+    return (f"{op_name(w.target)} ({node_where(w)}) writes in place to {read.written.name}, which {reader} reads "
+            f"afterwards{through}: no cut into {asked} keeps them in one stage ({instead}). Write out of place "
+            f"(x = x + y, not x += y) or use fewer stages; see docs/faithfulness.md")
+
+
 def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
     if balance == "params":  # each parameter weighs at its first reader
         seen: set[str] = set()
@@ -151,8 +224,10 @@ def _split_by_shares(weights: list[float], shares: list[float], n_stages: int) -
     return starts
 
 
-def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: set, n_stages: int) -> set[fx.Node]:
-    """Cheap nodes of graph inputs and buffers only (masks, position ids): each reading stage recomputes them."""
+def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: set, n_stages: int,
+                kept: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """Cheap nodes of graph inputs and buffers only (masks, position ids), but none of ``kept``: each reading stage
+    recomputes them."""
     budget = 0.01 * sum(weight_of.values()) / n_stages
     free: set[fx.Node] = set()
 
@@ -161,7 +236,7 @@ def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: se
 
     for n, weight in weight_of.items():
         if (weight <= budget and n not in outputs and n.op != "call_module" and not is_random_target(n.target)
-                and not is_inplace(n) and op_name(n.target) != "_assert_scalar"  # a check is read by no stage
+                and not is_inplace(n) and n not in kept and op_name(n.target) != "_assert_scalar"  # read by no stage
                 and all(map(constant, n.all_input_nodes))):
             free.add(n)
     return free

@@ -6,15 +6,19 @@ input it writes in place is cloned in the code, and no device literal is left in
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autopipe.passes.partition
 from autopipe.passes.codegen import Stage, codegen
 from autopipe.passes.cost import cost
-from autopipe.passes.partition import partition
+from autopipe.passes.inplace_writes import find_inplace_writes
+from autopipe.passes.partition import NoFeasiblePlan, partition
 from autopipe.passes.trace import trace
 from autopipe.random_ops import UnroutedRandomOp
 
@@ -432,9 +436,17 @@ class ReadAfterWrite(nn.Module):
 
 
 @pytest.mark.parametrize("output_a", [False, True])
-def test_write_another_stage_must_see_is_refused(output_a):
+def test_a_plan_that_cuts_a_write_off_from_its_read_is_refused(output_a, monkeypatch):
+    """The safety net under partition, which keeps each write with the reads that must see it and so refuses this
+    model at one stage per op (tests/passes/test_partition.py): a plan made blind to the writes is refused here."""
     model = ReadAfterWrite(output_a)
     traced = trace(model, (torch.randn(2, 4),), route="fx")
+    with pytest.raises(NoFeasiblePlan, match="mul_ .*writes in place to l1, which .* reads afterwards"):
+        partition(cost(traced), n_ops(traced))
+    def blind(gm):
+        return dataclasses.replace(find_inplace_writes(gm), reads=())
+
+    monkeypatch.setattr(autopipe.passes.partition, "find_inplace_writes", blind)
     plan = partition(cost(traced), n_ops(traced))
     with pytest.raises(ValueError, match="mul_.*writes in place to l1") as info:
         codegen(traced.graph_module, plan)

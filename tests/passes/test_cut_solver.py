@@ -4,6 +4,7 @@ Small graphs are checked against exhaustive search over every split; medium ones
 plain O(K N^2) dynamic program; costs are integer-valued so that both sides compute every stage cost exactly and ties at the tolerance bound are real ties.
 """
 
+import dataclasses
 import itertools
 import math
 import time
@@ -13,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 try:
-    from autopipe.passes.cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+    from autopipe.passes.cut_solver import CutProblem, CutSolution, NoCutKeepsWhole, NoFeasiblePlan, solve_cuts
 except ImportError:  # running from a checkout without installing
-    from passes.cut_solver import CutProblem, CutSolution, NoFeasiblePlan, solve_cuts
+    from passes.cut_solver import CutProblem, CutSolution, NoCutKeepsWhole, NoFeasiblePlan, solve_cuts
 
 
 # ---- an independent reading of the model -------------------------------------------------
@@ -165,6 +166,67 @@ def test_matches_dynamic_program_on_longer_chains(problem):
     solution = solve_cuts(problem)
     assert (solution.optimum, (sum(solution.cut_tensors), sum(solution.cut_bytes))) == expected
     check_reported_numbers(problem, solution)
+
+
+# ---- ranges kept in one stage ----------------------------------------------------------------
+
+
+@st.composite
+def kept_problems(draw) -> CutProblem:
+    """Small problems with kept_whole entries: each a few ranges around one node."""
+    problem = draw(problems(max_nodes=10))
+    n, entries = len(problem.weights), []
+    for _ in range(draw(st.integers(1, 3))):
+        p = draw(st.integers(0, n - 1))
+        entries.append([(draw(st.integers(0, p)), draw(st.integers(p, n - 1))) for _ in range(draw(st.integers(1, 3)))])
+    return dataclasses.replace(problem, kept_whole=entries)
+
+
+def keeps(problem: CutProblem, starts) -> bool:
+    """Every entry has a range no cut falls inside."""
+    return all(any(not any(first < c <= last for c in starts[1:]) for first, last in ranges)
+               for ranges in problem.kept_whole)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kept_problems())
+def test_kept_ranges_match_exhaustive_search(problem):
+    """The fewest crossings among plans that keep every entry, within the tolerance of the optimum of all plans; or,
+    where none is, NoCutKeepsWhole with the least bottleneck of a plan that keeps them."""
+    plans = exhaustive(problem)
+    if not plans:
+        with pytest.raises(NoFeasiblePlan):
+            solve_cuts(problem)
+        return
+    optimum = min(bottleneck for bottleneck, _, _ in plans)
+    kept = [(bottleneck, crossing) for bottleneck, crossing, starts in plans if keeps(problem, starts)]
+    balanced = [crossing for bottleneck, crossing in kept if bottleneck <= (1 + problem.tolerance) * optimum]
+    if not balanced:
+        with pytest.raises(NoCutKeepsWhole) as info:
+            solve_cuts(problem)
+        assert info.value.optimum == optimum
+        assert info.value.least_bottleneck == min((bottleneck for bottleneck, _ in kept), default=math.inf)
+        assert 0 <= info.value.entry < len(problem.kept_whole)
+        return
+    solution = solve_cuts(problem)
+    assert keeps(problem, solution.starts) and solution.optimum == optimum
+    assert (sum(solution.cut_tensors), sum(solution.cut_bytes)) == min(balanced)
+    check_reported_numbers(problem, solution)
+
+
+def test_a_kept_range_no_balanced_plan_holds_names_the_least_bottleneck_that_does():
+    # eight equal nodes in four stages: the optimum is 2, but one stage must hold nodes 0..4 or 3..7
+    problem = chain_problem(8, n_stages=4, kept_whole=[[(2, 2), (2, 6)], [(0, 4), (3, 7)]])
+    with pytest.raises(NoCutKeepsWhole) as caught:
+        solve_cuts(problem)
+    assert (caught.value.entry, caught.value.optimum, caught.value.least_bottleneck) == (1, 2.0, 5.0)
+    solution = solve_cuts(dataclasses.replace(problem, tolerance=1.5))
+    assert solution.bottleneck == 5.0 and keeps(problem, solution.starts)
+
+
+def test_kept_ranges_must_share_a_node():
+    with pytest.raises(ValueError, match="share a node"):
+        solve_cuts(chain_problem(6, n_stages=2, kept_whole=[[(0, 1), (3, 4)]]))
 
 
 # ---- errors ----------------------------------------------------------------------------------
