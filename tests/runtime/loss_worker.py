@@ -1,14 +1,16 @@
-"""One rank of test_loss.py's torchrun runs: the token-mean losses of issue 34 over gloo, float64; saves each rank's
-gradients and loss. Run by test_distributed.launch as ``python loss_worker.py <out_dir>``."""
+"""One rank of test_loss.py's torchrun runs: the token-mean losses over gloo, float64; saves each rank's gradients and
+loss. Run by test_distributed.launch as ``python loss_worker.py <out_dir>``."""
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root: zoo/
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopipe
-from test_loss import CausalLM, Classifier, ignored_targets, labelled_tokens, token_sum
+from test_loss import CAUSAL_LM_LOSSES, CausalLM, Classifier, ignored_targets, labelled_tokens, small_gpt, token_sum
 
 
 def main():
@@ -19,7 +21,9 @@ def main():
     ids, labels = labelled_tokens()
     runs = {"F.cross_entropy": (Classifier, (x,), {"target": y, "loss_fn": F.cross_entropy}, "gpipe"),
             "(sum, count)": (Classifier, (x,), {"target": y, "loss_fn": token_sum}, "1f1b"),
-            "the model's own": (CausalLM, (ids, labels), {"loss_fn": lambda out, _: out[0]}, "1f1b")}
+            "the model's own": (CausalLM, (ids, labels), {"loss_fn": lambda out, _: out[0]}, "1f1b"),
+            "a causal LM's lambda": (small_gpt, (ids,), {"target": labels, "loss_fn": CAUSAL_LM_LOSSES[
+                "F.cross_entropy of shifted labels"]}, "1f1b")}
     for name, (model_type, args, kwargs, schedule) in runs.items():
         torch.manual_seed(0)
         pipe = autopipe.compile(model_type().double(), chunks=4, schedule=schedule, timeout=30)

@@ -1,6 +1,7 @@
-"""Losses that average over a count the data sets (issue 34): cross-entropy's mean over the targets it does not
-ignore, inside the model or in ``pipe.step``'s loss_fn, equals the plain model's in float64 under every schedule;
-a loss_fn whose mean autopipe cannot weigh is refused, not run silently wrong."""
+"""Losses that average over a count the data sets: cross-entropy's mean over the targets it does not ignore, inside the
+model or in ``pipe.step``'s loss_fn (torch's loss itself, or called inside a lambda over targets it transforms), equals
+the plain model's in float64 under every schedule; a loss_fn whose mean autopipe cannot weigh is refused, not run
+silently wrong."""
 import copy
 import functools
 import os
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
+from zoo import GPT
 
 TOLERANCE = 1e-10
 V = 11
@@ -94,17 +96,108 @@ def test_a_loss_fn_returning_sum_and_count_is_the_mean_over_the_whole_count(sche
     assert_same_grads(grads_of(model), grads_of(reference))
 
 
-def test_a_mean_cross_entropy_inside_a_loss_fn_over_ignored_targets_is_refused():
+def test_a_mean_cross_entropy_over_targets_the_output_sets_is_refused_before_grad_is_touched():
+    """Targets computed from the model's output cannot be counted before the step: weighted by rows, their means are
+    not the plain model's loss, and a mean over as many targets a row in every micro-batch is."""
+    x, y = ignored_targets()
+    torch.manual_seed(0)
+    model = Classifier().double()
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"cross_entropy means over .* uncounted before the step \(its target comes "
+                                         r"from the model's output\).*\(sum, count\)") as refused:
+        pipe.step(x, target=y, loss_fn=lambda out, target: F.cross_entropy(
+            out, torch.where(out[:, 0] > out[:, 1], target, -100)))
+    assert len(str(refused.value)) <= 300 and "docs/faithfulness.md" in str(refused.value)
+    assert all(p.grad is None for p in model.parameters())  # nothing half-applied
+    reference = copy.deepcopy(model)
+    pseudo_labels = lambda out, target: F.cross_entropy(out, out.argmax(-1))  # noqa: E731  one target a row
+    loss = pipe.step(x, target=y, loss_fn=pseudo_labels)
+    want = pseudo_labels(reference(x), y)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+class FewerTargetsAtTheStep:
+    """A loss_fn that is not a pure function of its inputs: from its fifth call on, it ignores one more target."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, out, target):
+        self.calls += 1
+        return F.cross_entropy(out, target.masked_fill(torch.arange(len(target)) == 0, -100) if self.calls > 4 else target)
+
+
+def test_a_loss_fn_meeting_other_targets_at_the_step_than_before_it_is_refused():
     x, y = ignored_targets()
     model = Classifier().double()
     pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4)
-    with pytest.raises(ValueError, match=r"cross_entropy with reduction='mean'.*\(sum, count\)"):
-        pipe.step(x, target=y, loss_fn=lambda out, target: F.cross_entropy(out.view(-1, 4), target.view(-1)))
-    assert all(p.grad is None for p in model.parameters())  # nothing half-applied
-    full = torch.randint(0, 4, (8,))  # no ignored target: a mean over rows, weighted by rows
+    with pytest.raises(ValueError, match=r"loss_fn gave cross_entropy 1 targets in micro-batch 2 at the step, 2 "
+                                         r"when autopipe ran it before the step.*pure function") as refused:
+        pipe.step(x, target=y, loss_fn=FewerTargetsAtTheStep())
+    assert len(str(refused.value)) <= 300
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- the losses people write for a causal LM, in a loss_fn ---------------------------------------------------------
+
+LM_WEIGHTS = torch.linspace(0.5, 2.0, V, dtype=torch.double)
+LM_CROSS_ENTROPY = nn.CrossEntropyLoss(ignore_index=-1, weight=LM_WEIGHTS, label_smoothing=0.1)
+
+
+def log_softmax_nll(logits, labels):
+    log_probs = F.log_softmax(logits, dim=-1)
+    return F.nll_loss(log_probs[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), weight=LM_WEIGHTS)
+
+
+CAUSAL_LM_LOSSES = {
+    "F.cross_entropy of shifted labels": lambda logits, y: F.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                                            y[:, 1:].flatten()),
+    "a CrossEntropyLoss module": lambda logits, y: LM_CROSS_ENTROPY(logits[:, :-1].flatten(0, 1),
+                                                                     y[:, 1:].clamp(min=-1).flatten()),
+    "nll_loss of log_softmax": log_softmax_nll,
+    "the rows a mask of the labels selects": lambda logits, y: F.cross_entropy(logits[y != -100], y[y != -100]),
+}
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    return GPT(vocab=V, d=16, heads=2, layers=2, block=8, dropout=None).double()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", list(CAUSAL_LM_LOSSES))
+def test_the_causal_lm_losses_people_write_in_a_loss_fn_are_the_plain_models(name, schedule):
+    """Refused before (the first three: a mean over the labels not ignored, weighted by rows), or silently wrong (the
+    mask: the same mean written without -100 targets)."""
+    loss_fn = CAUSAL_LM_LOSSES[name]
+    ids, labels = labelled_tokens()  # the first micro-batch has no label counted
+    model = small_gpt()
     reference = copy.deepcopy(model)
-    loss = pipe.step(x, target=full, loss_fn=lambda out, target: F.cross_entropy(out.view(-1, 4), target.view(-1)))
-    want = F.cross_entropy(reference(x), full)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule=schedule)
+    loss = pipe.step(ids, target=labels, loss_fn=loss_fn)
+    want = loss_fn(reference(ids), labels)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
+def two_heads_and_a_z_loss(logits, labels):
+    """Two means over different counts of targets and a mean over every position (PaLM's z-loss)."""
+    next_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    same_token = F.cross_entropy(logits.flatten(0, 1), labels.masked_fill(labels < 4, -100).flatten())
+    return next_token + 0.5 * same_token + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+def test_a_sum_of_means_over_different_counts_in_a_loss_fn_is_the_plain_models():
+    """Each mean call is made its share of the whole batch's mean; the rest is a mean over rows, weighted by rows."""
+    ids, labels = labelled_tokens()
+    model = small_gpt()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    loss = pipe.step(ids, target=labels, loss_fn=two_heads_and_a_z_loss)
+    want = two_heads_and_a_z_loss(reference(ids), labels)
     want.backward()
     assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
     assert_same_grads(grads_of(model), grads_of(reference))
@@ -181,6 +274,29 @@ def test_pipe_step_weighs_the_models_own_loss_by_its_count_of_labels(schedule):
     assert_same_grads(grads_of(model), grads_of(reference))
 
 
+MODEL_LOSS_IN_A_LOSS_FN = {
+    "twice the model's loss": lambda out, labels: 2 * out[0],
+    "the model's loss and a loss_fn's own mean": lambda out, labels: out[0] + 0.5 * F.cross_entropy(
+        out[1].flatten(0, 1), labels.flatten()),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_LOSS_IN_A_LOSS_FN))
+def test_the_models_own_loss_inside_a_loss_fns_expression_is_weighed_by_its_count(name):
+    """Weighted by rows inside an expression before (silently wrong, NaN here), or refused with a mean beside it."""
+    loss_fn = MODEL_LOSS_IN_A_LOSS_FN[name]
+    ids, labels = labelled_tokens()
+    torch.manual_seed(0)
+    model = CausalLM().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.compile(model, devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    loss = pipe.step(ids, labels, target=labels, loss_fn=loss_fn)
+    want = loss_fn(reference(ids, labels), labels)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * want.item()
+    assert_same_grads(grads_of(model), grads_of(reference))
+
+
 class SummedLoss(nn.Module):
     def __init__(self):
         super().__init__()
@@ -235,7 +351,9 @@ def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_
     ids, labels = labelled_tokens()
     plain = {"F.cross_entropy": (Classifier, lambda m: F.cross_entropy(m(x), y)),
              "(sum, count)": (Classifier, lambda m: (lambda s, c: s / c)(*token_sum(m(x), y))),
-             "the model's own": (CausalLM, lambda m: m(ids, labels)[0])}
+             "the model's own": (CausalLM, lambda m: m(ids, labels)[0]),
+             "a causal LM's lambda": (small_gpt, lambda m: CAUSAL_LM_LOSSES["F.cross_entropy of shifted labels"](
+                 m(ids), labels))}
     for name, (model_type, loss_of) in plain.items():
         torch.manual_seed(0)
         reference = model_type().double()
@@ -243,8 +361,10 @@ def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_
         want.backward()
         assert ranks[0][name]["loss"] is None
         assert abs(ranks[1][name]["loss"] - want.item()) <= TOLERANCE * want.item(), name
-        got = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}
-        assert_same_grads(got, grads_of(reference))
+        got = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}  # a tied weight by each rank's name for it
+        tied = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+        assert set(grads_of(reference)) <= set(got) <= set(tied), name
+        assert_same_grads(got, {n: tied[n] for n in got})
 
 
 class SelectedRowsMean(nn.Module):
