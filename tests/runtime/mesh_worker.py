@@ -106,6 +106,9 @@ def mesh_scenario(rank: int, out: str) -> dict:
     user = gpt64()
     fully_shard(user.blocks[0], mesh=mesh["dp_shard"])
     bad["user fsdp"] = refused(lambda: autopipe.compile(user, chunks=CHUNKS, mesh=mesh))
+    rows = 4 if mesh["dp_shard"].get_local_rank() == 0 else 3  # the second data-parallel rank a smaller batch
+    bad["dp batch"] = refused(lambda: autopipe.compile(gpt64(), chunks=CHUNKS, mesh=mesh,
+                                                       example_inputs=(torch.zeros(rows, 16, dtype=torch.long),)))
 
     model = gpt64()
     ids, _ = batch(0)

@@ -63,3 +63,12 @@ def test_bad_input_is_refused_naming_the_dim_and_sizes(mesh_run, case, message):
     for r in mesh_run:
         assert r["refused"][case].startswith("ValueError: ") and message in r["refused"][case], r["refused"][case]
         assert r["refused"]["user fsdp on autopipe's"] != "not refused"  # fully_shard itself refuses
+
+
+def test_data_parallel_ranks_called_with_batches_of_other_sizes_are_refused(mesh_run):
+    """FSDP2 averages the gradients over the data-parallel ranks: the plain model's mean only over equal batches. Each
+    rank names the argument, its shape and the other's, before anything is planned."""
+    for r in mesh_run:
+        mine, theirs = ((4, 16), (3, 16)) if r["dp"] == 0 else ((3, 16), (4, 16))
+        assert f"argument idx is of shape {mine} (torch.int64) here but of shape {theirs} (torch.int64) on rank" \
+            in r["refused"]["dp batch"], r["refused"]["dp batch"]
