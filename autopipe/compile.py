@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -25,6 +26,7 @@ from autopipe.plan import Plan, human_bytes
 from autopipe.progress import Progress
 from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
+from autopipe.runtime.mesh import pipeline_size
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.schedule import (NAMES as SCHEDULES, SPLIT, Schedule, device_of_stage, is_v_layout,
@@ -369,14 +371,17 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
             leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
             intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
             data_parallel: int = 1, timeout: float = 300.0, route: str = "auto", cuda_graphs: bool = False,
+            mesh: Any = None, device: str | torch.device | None = None,
             verbose: bool = False) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
     The model is not copied: stages hold its own parameters, and gradients land on them. Without example inputs the
     pipeline compiles on its first call. "1f1b" and "interleaved" schedules train with ``pipe.step(x, target=y,
     loss_fn=f)``. ``deferred_batch_norm=True``: BatchNorm running statistics over the whole mini-batch. Under torchrun
-    with ``devices=None``: one stage per rank over torch.distributed (``data_parallel`` replicas of the pipeline;
-    ``timeout`` seconds bound any wait on a peer)."""
+    with ``devices=None``: one stage per rank over torch.distributed, each rank holding its own stages alone, on
+    ``device`` (default: ``cuda:LOCAL_RANK`` where CUDA is present, else the CPU); ``mesh``: a DeviceMesh whose "pp"
+    dim is the pipeline and whose "dp_shard" / "dp_replicate" dims run FSDP2 over each stage (``data_parallel=D``:
+    D replicas); ``timeout`` seconds bound any wait on a peer (docs/torchrun.md)."""
     chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
                   tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages,
                   cuda_graphs=cuda_graphs)
@@ -384,15 +389,18 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
         Options((torch.device("cpu"),), **chosen)
         _check_graphs(devices, deferred_batch_norm=deferred_batch_norm, track_memory=track_memory)
     if devices is None and running_under_torchrun():
-        # every rank plans all K stages; the options are checked before any process group exists
-        n = max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, data_parallel))
-        options = Options.make([torch.device("cpu")] * n, verbose=verbose and os.environ.get("RANK", "0") == "0",
-                               **chosen)
-        pipe = DistributedPipeline(model, options, run_passes, data_parallel=data_parallel, timeout=timeout,
-                                   deferred_batch_norm=deferred_batch_norm)
+        # every rank plans all K stages; the options and the mesh are checked before any tensor is allocated
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        options = Options.make([torch.device("cpu")] * pipeline_size(mesh, world, data_parallel),
+                               verbose=verbose and os.environ.get("RANK", "0") == "0", **chosen)
+        pipe = DistributedPipeline(model, options, run_passes, mesh=mesh, data_parallel=data_parallel, device=device,
+                                   timeout=timeout, deferred_batch_norm=deferred_batch_norm)
     else:
-        if data_parallel != 1:
-            raise ValueError("data_parallel needs torchrun: run one process per stage and replica (world = K x D)")
+        for name, value in (("data_parallel", data_parallel != 1), ("mesh", mesh is not None),
+                            ("device", device is not None)):
+            if value:
+                raise ValueError(f"{name}= is for torchrun (one process per stage, devices=None); in one process "
+                                 f"give the stages' devices as devices=[...]")
         device_list, streams = resolve_devices(devices), device_streams(devices)
         options = Options.make(device_list, verbose=verbose, streams=streams, **chosen)
         if any(p.device.type == "meta" for p in model.parameters()):

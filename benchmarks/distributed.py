@@ -4,6 +4,8 @@
     python -m benchmarks.distributed --quick         # tiny sizes, one step: a smoke test, not a measurement
     python -m benchmarks.distributed --sleep 1.2     # blocks sleep instead of computing: the
                                                      # schedules and transports alone, CPU-free
+    python -m benchmarks.distributed --mesh          # 2D: pp=2 x dp_shard=2 over FSDP2, 4 processes
+    python -m benchmarks.distributed --mesh --quick  # its smoke test
 
 Correctness and failure handling of the torchrun runtime are tests, not
 benchmark modes: tests/runtime/test_distributed.py (gradients equal the
@@ -30,6 +32,14 @@ the middle block. Variants, interleaved step by step
 - autopipe:        autopipe.compile(model, chunks=M) under the same process group
                    (autopipe.runtime.distributed.DistributedPipeline): its own split
 - autopipe 1f1b:   the same with schedule="1f1b"
+
+``--mesh``: 4 gloo processes as a DeviceMesh pp=2 x dp_shard=2, the same model and hand split, 1F1B, AdamW, each
+data-parallel rank its half of the batch. Rows: autopipe.compile(model, chunks=M, mesh=mesh) against
+torch.distributed.pipelining's Schedule1F1B over PipelineStage with FSDP2's fully_shard(stage, mesh=mesh["dp_shard"],
+reshard_after_forward=False) (pipelining drives FSDP2 itself): the median step time (forward, backward, optimizer),
+the bytes each rank holds between steps of parameters, gradients and AdamW state (its FSDP2 shards), the peak
+anonymous memory a step adds (parameters gathered, gradients, activations), and the bytes a rank hands to
+point-to-point sends and to collectives per step.
 
 Speedups are plain / variant; "ideal" is 2M/(M+1) (GPipe's bubble, 2 stages; 1F1B
 has the same bubble and keeps fewer micro-batches in flight).
@@ -434,6 +444,177 @@ def bench(args):
             )
 
 
+# ---------------------------------------------------------------------------
+# --mesh: pp=2 x dp_shard=2 (FSDP2), 4 processes
+# ---------------------------------------------------------------------------
+MESH_VARIANTS = ("autopipe 2D", "pipelining 2D")
+
+
+class _Counted:
+    """Bytes this rank hands to point-to-point sends and to collectives, while ``on``."""
+
+    def __init__(self):
+        self.on, self.p2p, self.collective = False, 0, 0
+        from autopipe.runtime.p2p import P2PTransport
+        post = P2PTransport._post
+
+        def counted_post(transport, send, tensor, peer, tag, what):
+            if self.on and send:
+                self.p2p += tensor.numel() * tensor.element_size()
+            return post(transport, send, tensor, peer, tag, what)
+        P2PTransport._post = counted_post
+        import torch.distributed.pipelining.schedules as schedules
+        batch = schedules._batch_p2p  # every send of pipelining's schedules goes through it
+
+        def counted_batch(ops, *args, **kwargs):
+            if self.on:
+                self.p2p += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return batch(ops, *args, **kwargs)
+        schedules._batch_p2p = counted_batch
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+            original = getattr(dist, name)
+
+            def collective(*a, _original=original, **k):
+                if self.on and a:
+                    t = a[1] if len(a) > 1 and isinstance(a[1], torch.Tensor) else a[0]  # (output, input) or tensor
+                    self.collective += t.numel() * t.element_size()
+                return _original(*a, **k)
+            setattr(dist, name, collective)
+
+
+def _held_bytes(params, opt) -> tuple[int, int, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (local FSDP2 shards)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    size = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return size(params), size(p.grad for p in params if p.grad is not None), size(state)
+
+
+def _anonymous_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _sample_peak(peak: list, done) -> None:
+    while not done.is_set():
+        peak[0] = max(peak[0], _anonymous_bytes())
+        time.sleep(0.001)
+
+
+def _mesh_worker(rank, world, port, args, q):
+    import threading
+
+    try:
+        _init(rank, world, port)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        import autopipe
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+        pp, dp = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+        B, M = args.batch, args.chunks[0]
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(B, args.d, generator=g), torch.randn(B, args.d, generator=g)
+        x, y = x.chunk(2)[dp], y.chunk(2)[dp]  # this data-parallel rank's half
+        counted, rows = _Counted(), {}
+        for name in [v for v in MESH_VARIANTS if v in args.mesh_variants]:
+            model = transformer_like(args.d, args.hidden, args.blocks, seed=0)
+            if name == "autopipe 2D":
+                pipe = autopipe.compile(model, chunks=M, mesh=mesh, schedule="1f1b", checkpoint="never",
+                                        example_inputs=(x,))
+                params = list(pipe.parameters())
+
+                def run(pipe=pipe):
+                    return pipe.step(x, target=y, loss_fn=F.mse_loss)
+            else:
+                st = half(model, pp)
+                fully_shard(st, mesh=mesh["dp_shard"], reshard_after_forward=False)
+                stage = PipelineStage(st, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+                sched = Schedule1F1B(stage, n_microbatches=M, loss_fn=F.mse_loss)
+                params = list(st.parameters())
+
+                def run(sched=sched):
+                    losses = []
+                    sched.step(x) if pp == 0 else sched.step(target=y, losses=losses)
+                    return sum(losses) / len(losses) if losses else None
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            times, peaks, sent = [], [], (0, 0)
+            for rep in range(args.warmup + args.steps):
+                dist.barrier()
+                counted.on, counted.p2p, counted.collective = rep >= args.warmup, 0, 0
+                base, peak, done = _anonymous_bytes(), [0], threading.Event()
+                sampler = threading.Thread(target=_sample_peak, args=(peak, done))
+                sampler.start()
+                t0 = time.perf_counter()
+                loss = run()
+                opt.step()
+                dist.barrier()
+                dt = time.perf_counter() - t0
+                done.set()
+                sampler.join()
+                counted.on = False
+                if rep >= args.warmup:
+                    times.append(dt)
+                    peaks.append(max(peak[0] - base, 0))
+                    sent = (counted.p2p, counted.collective)
+                held = _held_bytes(params, opt)
+                opt.zero_grad()
+            rows[name] = {"s": statistics.median(times), "held": held, "peak": max(peaks), "sent": sent,
+                          "loss": None if loss is None else float(loss.detach())}
+            if name == "autopipe 2D":
+                pipe.close()
+        q.put((rank, rows, (pp, dp), None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        q.put((rank, "error", traceback.format_exc(), None))
+        raise
+
+
+def bench_mesh(args):
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    world, port = 4, args.port or _free_port()
+    procs = [ctx.Process(target=_mesh_worker, args=(r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world):
+        rank, rows, where, _ = q.get()
+        if rows == "error":
+            print(f"rank {rank} failed:\n{where}")
+            for p in procs:
+                p.kill()
+            sys.exit(1)
+        results[rank] = (rows, where)
+    for p in procs:
+        p.join()
+    if args.quick:
+        print("--quick: tiny sizes, a smoke test, NOT a measurement")
+    print(f"transformer_like(d={args.d}, hidden={args.hidden}, blocks={args.blocks}) float32, batch {args.batch} "
+          f"(each dp rank half), M={args.chunks[0]}, 1F1B, AdamW; 4 gloo processes x 1 thread as pp=2 x dp_shard=2; "
+          f"hand split at block {args.blocks // 2} for pipelining; median of {args.steps} steps after {args.warmup} "
+          f"warm-up (shared machine: compare within this run)")
+    mib = lambda b: f"{b / 2**20:7.2f}"  # noqa: E731
+    print(f"{'variant':<14} {'rank':>4} {'(pp,dp)':>7} {'s/step':>7} | held between steps, MiB: {'params':>7} "
+          f"{'grads':>7} {'adam':>7} | {'step peak':>9} | sent per step, MiB: {'p2p':>7} {'collect.':>8} | loss")
+    for name in MESH_VARIANTS:
+        for rank in range(world):
+            rows, where = results[rank]
+            if name not in rows:
+                continue
+            r = rows[name]
+            loss = "-" if r["loss"] is None else f"{r['loss']:.6f}"
+            print(f"{name:<14} {rank:>4} {str(where):>7} {r['s']:7.3f} | {'':>25}{mib(r['held'][0])} "
+                  f"{mib(r['held'][1])} {mib(r['held'][2])} | {mib(r['peak']):>9} | {'':>19}{mib(r['sent'][0])} "
+                  f"{mib(r['sent'][1]):>8} | {loss}")
+    print("(held: each rank's FSDP2 shards after a step, before zero_grad; step peak: anonymous memory a step adds "
+          "over its start, sampled every 1 ms; sent: bytes handed to p2p sends and to all-gather / reduce-scatter / "
+          "all-reduce inputs)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -458,11 +639,16 @@ def main(argv=None):
     ap.add_argument("--no-pingpong", dest="pingpong", action="store_false")
     ap.add_argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (default: a free one)")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--mesh", action="store_true", help="the 2D rows: pp=2 x dp_shard=2 over FSDP2, 4 processes")
+    ap.add_argument("--mesh-variants", nargs="+", default=list(MESH_VARIANTS), choices=MESH_VARIANTS)
     args = ap.parse_args(argv)
     if args.quick:
         args.d, args.hidden, args.batch, args.chunks = 64, 128, 256, [4]
         args.steps, args.warmup, args.pingpong = 1, 1, False
-    bench(args)
+    if args.mesh:
+        bench_mesh(args)
+    else:
+        bench(args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
@@ -237,13 +238,22 @@ class StageRunner:
     param_ids: set[int] = field(init=False)
 
     def __post_init__(self):
-        unique = {id(p): p for p in self.stage.parameters()}
-        self.params = list(unique.values())
         self.generator = torch.Generator(device=self.stage.device) if self.stage.uses_rng else None
         self.state = list(self.stage.written_buffers)  # not BatchNorm's statistics, which training never reads
         where = {id(b): k for k, b in enumerate(self.state)}
         self._state_slots = [(m._buffers, name, where[id(b)]) for m in self.stage.modules()
                              for name, b in m._buffers.items() if id(b) in where]
+        self.take_parameters()
+        self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
+        own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
+        self.stream = own.stream if own is not None else None
+
+    def take_parameters(self) -> None:
+        """The parameters as the stage's modules hold them now: when built, and at each step's start under FSDP2,
+        which registers the unsharded parameters on the modules for the step (runtime/sharding.py)."""
+        unique = {id(p): p for p in self.stage.parameters()}
+        self.params = list(unique.values())
+        where = {id(b) for b in self.state}
         # a tied weight (or shared buffer) placed on another stage's device: a replica here, refreshed every step;
         # its gradient goes to the user's Parameter (step.py sums the stages' gradients on its device)
         self.replicas: dict[int, torch.Tensor] = {}
@@ -259,10 +269,7 @@ class StageRunner:
                 elif isinstance(t, torch.nn.Parameter):
                     self._slots_of.setdefault(id(t), []).append((table, name))
         self._wrt = [self.replicas.get(id(p), p) for p in self.params]  # what autograd differentiates
-        self.param_ids = {p.untyped_storage().data_ptr() for p in self._wrt}
-        self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
-        own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
-        self.stream = own.stream if own is not None else None
+        self.param_ids = {p.untyped_storage().data_ptr() for p in self._wrt if not is_traceable_wrapper_subclass(p)}
 
     @property
     def index(self) -> int:

@@ -134,6 +134,11 @@ def double_inputs(name: str):
     return [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as the plain model holds it: an FSDP2 shard (a DTensor, data_parallel's replicas) gathered."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -243,10 +248,11 @@ def main():
             loss = pipe.step(ids, target=target, loss_fn=lm_loss)
             losses.append(None if loss is None else loss.item())
             if step == 0:
-                grads = {n: p.grad.cpu() for n, p in pipe.named_parameters() if p.grad is not None}
+                grads = {n: whole(p.grad).cpu() for n, p in pipe.named_parameters() if p.grad is not None}
                 pipe.zero_grad()
         torch.save({"grads": grads, "losses": losses, "stage": pipe.stage_index, "plan": str(pipe.plan),
-                    "state": pipe.state_dict(), "backend": str(torch.distributed.get_backend())},
+                    "state": {k: whole(v) for k, v in pipe.state_dict().items()},
+                    "backend": str(torch.distributed.get_backend())},
                    os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "skip":
         v = int(os.environ.get("VIRTUAL_STAGES", "1"))

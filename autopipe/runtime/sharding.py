@@ -1,0 +1,116 @@
+"""FSDP2 over a rank's stages: ``fully_shard`` over the mesh's ``dp_shard`` (and ``dp_replicate``) dims, the
+parameters gathered once a step and the gradients reduce-scattered once, after the step's last backward; the tied
+weights' gradients summed over the ranks that hold them. docs/architecture.md, "Under torchrun".
+
+Note [FSDP2 driven by the step]: a stage runs M micro-batches a step, each forward and backward of its own. FSDP2's
+hooks would gather the parameters before each forward and reduce the gradients after each backward; instead, as
+torch.distributed.pipelining's stage drives it (torch/distributed/pipelining/stage.py: UNSHARD,
+``backward_maybe_with_nosync``, ``perform_reduce_grad``), the step unshards once at its start, runs every task with
+``set_requires_gradient_sync(False)`` / ``set_reshard_after_backward(False)`` and ``reshard_after_forward=False``, and
+at its end hands the summed gradients to the unsharded parameters and runs each parameter group's ``post_backward``
+(the reduce-scatter, and the all-reduce over ``dp_replicate``) and the root's ``_root_post_backward_final_callback``
+(which waits for them): the private hooks pipelining calls, for the reason its comment gives (it does not call
+``.backward()`` the way FSDP2 expects). The stages' tasks differentiate the unsharded parameters themselves
+(runtime/task.py, ``take_parameters``) and sum the micro-batches' gradients as without FSDP2. All of a rank's stages
+are one FSDP2 group: a weight two of them share (interleaved, zbv) stays one parameter.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from .materialize import rebind, tables
+
+__all__ = ["ShardedStages", "sharded_by_the_user", "refuse_fsdp_on_top", "sum_tied"]
+
+
+def sharded_by_the_user(module: torch.nn.Module, what: str) -> str | None:
+    """A description of FSDP2 (or a DTensor parameter) the user applied to ``module``, which autopipe's own
+    sharding would wrap again; None where there is none."""
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            return f"{what}{'.' + name if name else ''} is already an FSDP2 module (fully_shard)"
+    for name, p in module.named_parameters():
+        if is_dtensor(p):
+            return f"{what}'s parameter {name} is already a DTensor"
+    return None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def refuse_fsdp_on_top(pipe: torch.nn.Module, stages: list[torch.nn.Module], ours: ShardedStages | None) -> None:
+    """FSDP2 the user applied to the pipeline or a stage after compile, over autopipe's own: refused, naming it."""
+    wrapped = "the pipeline" if isinstance(pipe, FSDPModule) else next(
+        (f"stage {s.index}" for s in stages if isinstance(s, FSDPModule)
+         and (ours is None or fully_shard.state(s) is not ours.state)), None)
+    if wrapped is not None:
+        raise ValueError(f"{wrapped} is wrapped in FSDP2 (fully_shard) by the caller: autopipe shards each stage "
+                         f"itself over the mesh's 'dp_shard' dim; drop your fully_shard (docs/torchrun.md)")
+
+
+class ShardedStages:
+    """This rank's stages under FSDP2 over ``mesh``: one group, gathered and reduced once a step (Note [FSDP2 driven
+    by the step]). The model's own slots, and those of ``elsewhere`` (the traced graph), hold the sharded parameters
+    afterwards: the export route's stages hold the parameters in containers of their own."""
+
+    def __init__(self, stages: list[torch.nn.Module], mesh: DeviceMesh, holders: Iterable[torch.nn.Module]):
+        self.stages = stages
+        before = [(table, name, p) for table, name, p in tables(m for s in stages for m in s.modules())
+                  if isinstance(p, torch.nn.Parameter)]
+        fully_shard(stages if len(stages) > 1 else stages[0], mesh=mesh, reshard_after_forward=False)
+        self.state = fully_shard.state(stages[0])
+        moved = {id(p): (p, table[name]) for table, name, p in before if table.get(name) is not p}
+        rebind(holders, moved)
+
+    def unshard(self) -> None:
+        """At a step's start: the parameters gathered, and no task reduces or reshards."""
+        for stage in self.stages:
+            stage.set_is_last_backward(False)
+            stage.set_reshard_after_backward(False)
+            stage.set_requires_gradient_sync(False)
+        self.stages[0].unshard()
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around a step's tasks: FSDP2's warning that a stage returns a view (harmless with the parameters gathered
+        for the whole step) is not the user's."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+            yield
+
+    def reduce(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+        """At a step's end: the step's (unsharded parameter, gradient) pairs handed over, reduce-scattered (and
+        all-reduced over dp_replicate) into each sharded parameter's ``.grad``, the parameters resharded."""
+        with torch.no_grad():
+            for p, g in pairs:
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        pairs.clear()
+        for stage in self.stages:
+            stage.set_is_last_backward(True)
+            stage.set_reshard_after_backward(True)
+            stage.set_requires_gradient_sync(True)
+        for state in self.state._state_ctx.all_states or [self.state]:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self.state._root_post_backward_final_callback()
+
+
+def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -> None:
+    """Each tied weight's gradient summed over the ranks that hold it (``lookup(name)``: this rank's parameter of that
+    canonical name); a DTensor's local shard, which holds the same rows on every holder."""
+    with torch.no_grad():
+        for name, group, _ in tied:
+            p = lookup(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(local, group=group)

@@ -1,0 +1,74 @@
+"""FSDP2 over each stage of a pipeline (runtime/sharding.py, runtime/mesh.py): ``autopipe.compile(model, mesh=mesh)``
+with a DeviceMesh of dims "pp" x "dp_shard", 4 gloo ranks, the float64 GPT whose LM head is tied to its embedding
+(on the first and the last stage), the loop a user writes (1F1B, AdamW, ``pipe.clip_grad_norm_`` active every step):
+the plain model's parameters and total norms, each rank holding half its stage between steps, FSDP2's collectives
+once a step; bad meshes and FSDP2 on top of autopipe's refused by name. The run is conftest.py's ``mesh_run``;
+``data_parallel=D`` on the same engine: test_distributed.py's test_pipeline_times_data_parallel."""
+import pytest
+import torch
+
+from mesh_worker import LR, MAX_NORM, batch, gpt64, lm_loss
+
+
+def plain_training(steps: int):
+    """The plain model trained in one process on every step's whole batch: parameters after each step, losses, norms."""
+    model = gpt64()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    params, losses, norms = [], [], []
+    for step in range(steps):
+        ids, target = batch(step)
+        loss = lm_loss(model(ids), target)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+    return params, losses, norms
+
+
+def test_pp2_x_dp_shard2_trains_as_the_plain_model(mesh_run):
+    params, losses, norms = plain_training(3)
+    assert min(norms) > 10 * MAX_NORM  # clipping is active
+    assert [(r["stage"], r["dp"]) for r in mesh_run] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    seen = set()
+    for r in mesh_run:
+        assert r["norms"] == pytest.approx(norms, rel=1e-12), "every rank scales by the plain model's total norm"
+        for name, p in r["after3"].items():
+            torch.testing.assert_close(p, params[-1][name], rtol=0, atol=1e-10, msg=name)
+            seen.add(name)
+    assert seen == set(params[-1])  # every parameter, the tied head under both names
+    # each data-parallel rank of the last stage reports its half's loss: their mean is the plain model's
+    halves = [r["losses"] for r in mesh_run if r["stage"] == 1]
+    assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(losses, rel=1e-12)
+
+
+def test_between_steps_a_rank_holds_half_its_stage_and_a_step_gathers_once(mesh_run):
+    """FSDP2 with the parameters gathered once a step and the gradients reduce-scattered once, after the step's last
+    backward (4 micro-batches); the one all-reduce is the tied embedding's, over its two holders."""
+    for r in mesh_run:
+        assert r["grad_type"] == "DTensor"
+        assert r["local_elements"] * 2 == r["full_elements"]
+        assert r["collectives"] == [{"all_gather_single": 1, "reduce_scatter_single": 1, "all_reduce": 1}] * 3
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no pp", "the mesh has dims {'dp_shard': 4} but no 'pp' dim"),
+    ("balance", "balance gives 3 stages but the pipeline has 2 (pp size 2"),
+    ("user fsdp", "GPT.blocks.0 is already an FSDP2 module (fully_shard)"),
+    ("second shape", "argument idx is of shape (4, 12) (torch.int64) where it was of shape (4, 16) (torch.int64): "
+                     "under FSDP2"),
+    ("user fsdp on top", "is wrapped in FSDP2 (fully_shard) by the caller: autopipe shards")])
+def test_bad_input_is_refused_naming_the_dim_and_sizes(mesh_run, case, message):
+    for r in mesh_run:
+        assert r["refused"][case].startswith("ValueError: ") and message in r["refused"][case], r["refused"][case]
+        assert r["refused"]["user fsdp on autopipe's"] != "not refused"  # fully_shard itself refuses
+
+
+def test_data_parallel_ranks_called_with_batches_of_other_sizes_are_refused(mesh_run):
+    """FSDP2 averages the gradients over the data-parallel ranks: the plain model's mean only over equal batches. Each
+    rank names the argument, its shape and the other's, before anything is planned."""
+    for r in mesh_run:
+        mine, theirs = ((4, 16), (3, 16)) if r["dp"] == 0 else ((3, 16), (4, 16))
+        assert f"argument idx is of shape {mine} (torch.int64) here but of shape {theirs} (torch.int64) on rank" \
+            in r["refused"]["dp batch"], r["refused"]["dp batch"]
