@@ -236,11 +236,10 @@ class DistributedPipeline(torch.nn.Module):
     def _compile(self, args: Sequence[Any], kwargs: dict[str, Any]) -> _RankProgram:
         """A new input signature's program. Note [one cut for every shape]: a rank holds its stages' parameters and the
         optimizer the user built over them, so every later program keeps the first program's cut (partition's
-        ``cut_of``), and is refused where its stages would hold other parameters, or where FSDP2 holds them."""
+        ``cut_of``), and is refused where its stages would hold other parameters."""
         arguments = self._agree_on_arguments(args, kwargs)
         first = next(iter(self._programs.values()), None)
         if first is not None:
-            _one_program_under_fsdp(self._sharded, first.arguments, arguments)
             check_same_kinds(first.program.traced, self.options.chunks, args, kwargs)
         with materialize.on_meta_for_tracing(self._model) as twins:
             compiled = self._run_passes(self._model, args, kwargs, self.options,
@@ -279,25 +278,25 @@ class DistributedPipeline(torch.nn.Module):
                                                 self.rank)
 
     def _agree_on_arguments(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, str]]:
-        """Before a new program is planned, every rank checks that the others were called with the same argument
-        shapes: a rank planning another program would send messages of other sizes, and FSDP2's mean over the
-        data-parallel ranks is the plain model's only over batches of one size."""
+        """Before a new program is planned, every rank of the pipeline checks that the others were called with the same
+        argument shapes: a rank planning another program would send messages of other sizes. Data-parallel pipelines
+        may differ (each its own batch, as under DDP: their gradients are averaged)."""
         mine = _described(self._model, args, kwargs)
         n, store = len(self._programs), self._signatures
-        store.set(f"{n}/{self.rank}", json.dumps(mine))
-        for q in range(self.world):
-            theirs = [tuple(d) for d in json.loads(store.get(f"{n}/{q}").decode())]
+        store.set(f"{self.replica}/{n}/{self.rank}", json.dumps(mine))
+        for q in self.layout.pipelines[self.replica]:
+            theirs = [tuple(d) for d in json.loads(store.get(f"{self.replica}/{n}/{q}").decode())]
             if theirs != mine:
                 name, here, there = next(((a, b, c) for (a, b), (_, c) in zip(mine, theirs) if b != c),
                                          ("the arguments", len(mine), len(theirs)))
                 raise ValueError(f"rank {self.rank}: {name} is {here} here but {there} on rank {q}: call pipe.step "
-                                 f"with arguments of the same shapes on every rank (docs/torchrun.md)")
+                                 f"with arguments of the same shapes on every rank of a pipeline (docs/torchrun.md)")
         return mine
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs):
         """Forward and backward of all micro-batches in schedule order on every rank. Call it with arguments of the
-        same shapes on every rank (each stage reads only the inputs its nodes use; a data-parallel pipeline, its own
-        batch). Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
+        same shapes on every rank of a pipeline (each stage reads only the inputs its nodes use; a data-parallel
+        pipeline, its own batch). Returns the mini-batch loss on the last stage's ranks, None elsewhere."""
         current = self.compile_for(args, kwargs)
         program, transport, runners, sharded = current.program, self._transport, current.runners, self._sharded
         traced = program.traced
@@ -315,8 +314,10 @@ class DistributedPipeline(torch.nn.Module):
             loss = Loss(fn=loss_fn or model_loss, rebuild=traced.rebuild_output,
                         targets=microbatch.split_target(target, sizes), sizes=sizes, plan=program.plan,
                         output_counts=[program.count_targets(row) for row in rows])
+        # a later program's stages follow the first's under FSDP2 (Note [programs after the first under FSDP2])
+        later = [] if current is next(iter(self._programs.values())) else list(current.stages.values())
         if sharded is not None:
-            sharded.unshard()
+            sharded.unshard(later)
         for runner in runners.values():
             if sharded is not None:
                 runner.take_parameters()  # the unsharded parameters, which the tasks differentiate
@@ -328,7 +329,8 @@ class DistributedPipeline(torch.nn.Module):
             state.deferred.commit()
         scale = self._grad_scale(loss) if loss_fn is not None else None
         if sharded is not None:
-            sharded.reduce([pair for runner in runners.values() for pair in scaled(runner.take_grads(state), scale)])
+            sharded.reduce([pair for runner in runners.values() for pair in scaled(runner.take_grads(state), scale)],
+                           later)
         for runner in runners.values() if sharded is None else ():  # in stage order: a tie on one rank sums alike
             accumulate_grads(scaled(runner.take_grads(state), scale))
         sum_tied(self._tied, lambda name: _tensor(self._model, name))  # by its canonical name: a stage may say another
@@ -345,16 +347,3 @@ class DistributedPipeline(torch.nn.Module):
             dist.broadcast(box, src=last_rank, group=self.pipeline_groups[self.replica])
             scale = None if math.isnan(box.item()) else box.item()
         return scale
-
-
-def _one_program_under_fsdp(sharded: ShardedStages | None, first: list[tuple[str, str]],
-                            now: list[tuple[str, str]]) -> None:
-    """Under FSDP2 the stages' parameters belong to the first program's stage modules (FSDP2 registers them there,
-    sharded between steps and gathered within one), which a new input signature's stages are not: refused, naming
-    the argument that changed."""
-    if sharded is None:
-        return
-    name, was, is_ = next(((a, b, c) for (a, b), (_, c) in zip(first, now) if b != c), ("the call", "", ""))
-    raise ValueError(f"{name} is {is_} where it was {was}: under FSDP2 (a mesh with 'dp_shard' or 'dp_replicate', "
-                     f"or data_parallel) a pipeline runs one input signature; pad every batch to one shape "
-                     f"(docs/torchrun.md)")

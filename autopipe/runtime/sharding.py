@@ -13,6 +13,11 @@ at its end hands the summed gradients to the unsharded parameters and runs each 
 ``.backward()`` the way FSDP2 expects). The stages' tasks differentiate the unsharded parameters themselves
 (runtime/task.py, ``take_parameters``) and sum the micro-batches' gradients as without FSDP2. All of a rank's stages
 are one FSDP2 group: a weight two of them share (interleaved, zbv) stays one parameter.
+
+Note [programs after the first under FSDP2]: FSDP2 manages the parameters of the first program's stage modules: it
+registers the gathered parameters on them for a step and the shards between steps. A later input signature's stages
+(their own modules, holding the shards as the model does) follow those swaps by identity, at the gather and at the
+reshard, so their tasks differentiate the gathered parameters and the reduction sees their gradients.
 """
 from __future__ import annotations
 
@@ -70,13 +75,16 @@ class ShardedStages:
         moved = {id(p): (p, table[name]) for table, name, p in before if table.get(name) is not p}
         rebind(holders, moved)
 
-    def unshard(self) -> None:
-        """At a step's start: the parameters gathered, and no task reduces or reshards."""
+    def unshard(self, also: Iterable[torch.nn.Module] = ()) -> None:
+        """At a step's start: the parameters gathered, and no task reduces or reshards; ``also``: a later program's
+        stages, which then hold the gathered parameters too (Note [programs after the first under FSDP2])."""
         for stage in self.stages:
             stage.set_is_last_backward(False)
             stage.set_reshard_after_backward(False)
             stage.set_requires_gradient_sync(False)
+        held = self._held()
         self.stages[0].unshard()
+        self._follow(held, also)
 
     @contextlib.contextmanager
     def running(self):
@@ -86,9 +94,22 @@ class ShardedStages:
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             yield
 
-    def reduce(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    def _held(self) -> list[tuple[dict, str, torch.Tensor]]:
+        return list(tables(m for s in self.stages for m in s.modules()))
+
+    @staticmethod
+    def _follow(held: list[tuple[dict, str, torch.Tensor]], also: Iterable[torch.nn.Module]) -> None:
+        """``also``'s slots that held a tensor the first program's stages held in ``held`` now hold what those hold."""
+        swapped = {id(t): (t, table[name]) for table, name, t in held if table.get(name) is not t}
+        if swapped:
+            rebind([m for stage in also for m in stage.modules()], swapped)
+
+    def reduce(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]],
+               also: Iterable[torch.nn.Module] = ()) -> None:
         """At a step's end: the step's (unsharded parameter, gradient) pairs handed over, reduce-scattered (and
-        all-reduced over dp_replicate) into each sharded parameter's ``.grad``, the parameters resharded."""
+        all-reduced over dp_replicate) into each sharded parameter's ``.grad``, the parameters resharded (``also``:
+        a later program's stages, which follow, Note [programs after the first under FSDP2])."""
+        also = list(also)
         with torch.no_grad():
             for p, g in pairs:
                 if g is not None:
@@ -98,10 +119,12 @@ class ShardedStages:
             stage.set_is_last_backward(True)
             stage.set_reshard_after_backward(True)
             stage.set_requires_gradient_sync(True)
+        held = self._held()
         for state in self.state._state_ctx.all_states or [self.state]:
             for group in state._fsdp_param_groups:
                 group.post_backward()
         self.state._root_post_backward_final_callback()
+        self._follow(held, also)
 
 
 def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -> None:

@@ -28,6 +28,7 @@ from zoo import GPT  # noqa: E402
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 CHUNKS, MAX_NORM, LR = 4, 0.05, 1e-2
+NEW_LENGTHS = (12, 10)  # mesh_scenario's fourth step: each data-parallel rank's sequence length
 
 
 def gpt64(**kw) -> GPT:
@@ -106,9 +107,6 @@ def mesh_scenario(rank: int, out: str) -> dict:
     user = gpt64()
     fully_shard(user.blocks[0], mesh=mesh["dp_shard"])
     bad["user fsdp"] = refused(lambda: autopipe.compile(user, chunks=CHUNKS, mesh=mesh))
-    rows = 4 if mesh["dp_shard"].get_local_rank() == 0 else 3  # the second data-parallel rank a smaller batch
-    bad["dp batch"] = refused(lambda: autopipe.compile(gpt64(), chunks=CHUNKS, mesh=mesh,
-                                                       example_inputs=(torch.zeros(rows, 16, dtype=torch.long),)))
 
     model = gpt64()
     ids, _ = batch(0)
@@ -127,8 +125,14 @@ def mesh_scenario(rank: int, out: str) -> dict:
     results["model_keys"], results["optim_keys"] = sorted(msd), sorted(osd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))
     results["stale"] = stale_copy_trap(model, opt, os.path.join(out, "stale"))
-    bad["second shape"] = refused(lambda: pipe.step(torch.zeros(4, 12, dtype=torch.long),
-                                                    target=torch.zeros(4, 12, dtype=torch.long), loss_fn=lm_loss))
+    # dynamic padding per rank: a fourth step at new lengths, another on each data-parallel rank (NEW_LENGTHS)
+    padded, target = (t.chunk(2)[results["dp"]][:, :NEW_LENGTHS[results["dp"]]] for t in batch(3))
+    loss = pipe.step(padded, target=target, loss_fn=lm_loss)
+    results["new_shape_norm"] = pipe.clip_grad_norm_(MAX_NORM).item()
+    opt.step()
+    opt.zero_grad()
+    results["new_shape_loss"] = None if loss is None else loss.item()
+    results["after_new_shape"] = {n: whole(p).detach().clone() for n, p in pipe.named_parameters()}
     bad["user fsdp on autopipe's"] = refused(lambda: fully_shard(pipe, mesh=mesh["dp_shard"]))  # torch's refusal
     pipe.close()
     plain = autopipe.compile(gpt64(), chunks=CHUNKS, example_inputs=(ids,))  # pp=4, no FSDP2 of autopipe's

@@ -7,7 +7,7 @@ once a step; bad meshes and FSDP2 on top of autopipe's refused by name. The run 
 import pytest
 import torch
 
-from mesh_worker import LR, MAX_NORM, batch, gpt64, lm_loss
+from mesh_worker import LR, MAX_NORM, NEW_LENGTHS, batch, gpt64, lm_loss
 
 
 def plain_training(steps: int):
@@ -56,8 +56,6 @@ def test_between_steps_a_rank_holds_half_its_stage_and_a_step_gathers_once(mesh_
     ("no pp", "the mesh has dims {'dp_shard': 4} but no 'pp' dim"),
     ("balance", "balance gives 3 stages but the pipeline has 2 (pp size 2"),
     ("user fsdp", "GPT.blocks.0 is already an FSDP2 module (fully_shard)"),
-    ("second shape", "argument idx is of shape (4, 12) (torch.int64) where it was of shape (4, 16) (torch.int64): "
-                     "under FSDP2"),
     ("user fsdp on top", "is wrapped in FSDP2 (fully_shard) by the caller: autopipe shards")])
 def test_bad_input_is_refused_naming_the_dim_and_sizes(mesh_run, case, message):
     for r in mesh_run:
@@ -65,10 +63,29 @@ def test_bad_input_is_refused_naming_the_dim_and_sizes(mesh_run, case, message):
         assert r["refused"]["user fsdp on autopipe's"] != "not refused"  # fully_shard itself refuses
 
 
-def test_data_parallel_ranks_called_with_batches_of_other_sizes_are_refused(mesh_run):
-    """FSDP2 averages the gradients over the data-parallel ranks: the plain model's mean only over equal batches. Each
-    rank names the argument, its shape and the other's, before anything is planned."""
+def test_a_new_length_a_step_other_on_each_data_parallel_rank_trains_as_ddp_does(mesh_run):
+    """Dynamic padding per rank under FSDP2: a fourth step at sequence lengths 12 and 10 on the two data-parallel
+    pipelines (a new program each, whose stages follow the parameters FSDP2 gathers on the first program's): the
+    plain model's step on the mean of the two pipelines' losses, as DDP averages them, to 1e-10."""
+    model = gpt64()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(4):
+        ids, target = batch(step)
+        if step < 3:
+            loss = lm_loss(model(ids), target)
+        else:
+            parts = [(i.chunk(2)[k][:, :n], t.chunk(2)[k][:, :n]) for k, n, i, t in
+                     zip(range(2), NEW_LENGTHS, [ids] * 2, [target] * 2)]
+            losses = [lm_loss(model(i), t) for i, t in parts]
+            loss = sum(losses) / 2
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
+        opt.step()
+        opt.zero_grad()
+    plain = dict(model.named_parameters(remove_duplicate=False))
     for r in mesh_run:
-        mine, theirs = ((4, 16), (3, 16)) if r["dp"] == 0 else ((3, 16), (4, 16))
-        assert f"argument idx is of shape {mine} (torch.int64) here but of shape {theirs} (torch.int64) on rank" \
-            in r["refused"]["dp batch"], r["refused"]["dp batch"]
+        assert r["new_shape_norm"] == pytest.approx(norm, rel=1e-12)
+        if r["stage"] == 1:
+            assert r["new_shape_loss"] == pytest.approx(losses[r["dp"]].item(), rel=1e-12)
+        for name, p in r["after_new_shape"].items():
+            torch.testing.assert_close(p, plain[name], rtol=0, atol=1e-10, msg=name)
