@@ -1,7 +1,6 @@
 """Real torch.distributed processes on 127.0.0.1 (gloo): one stage per rank.
 
 Failures (a rank raising, killed, hung) are tested in test_p2p.py, which shares ``launch``."""
-import json
 import math
 import os
 import socket
@@ -99,63 +98,76 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-@pytest.mark.parametrize("world,checkpoint,schedule", [(2, "except_last", "gpipe"), (4, "always", "gpipe"),
-                                                      (4, "except_last", "1f1b"), (2, "always", "interleaved"),
-                                                      (4, "always", "zb-h1"), (2, "except_last", "zbv")])
-def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, checkpoint, schedule):
-    v = 2 if schedule == "interleaved" else 1  # interleaved: each rank holds 2 of the 4 stages
-    run = launch("gpt", world, tmp_path, CHECKPOINT=checkpoint, SCHEDULE=schedule, VIRTUAL_STAGES=v)
+@pytest.mark.parametrize("world,configs", [(2, "except_last:gpipe:1,always:interleaved:2,except_last:zbv:1"),
+                                           (4, "always:gpipe:1,except_last:1f1b:1,always:zb-h1:1")])
+def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, configs):
+    """Each configuration (checkpoint mode, schedule, virtual stages; interleaved: each rank holds 2 of the 4 stages),
+    one after the other in one launch: the loss and every gradient are the in-process pipeline's."""
+    run = launch("gpt", world, tmp_path, CONFIGS=configs)
     assert run.codes == [0] * world, run.log()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt")["configs"] for r in range(world)]
     ids, target = gpt_batch()
-    # In-process pipeline, same seeds: dropout masks are drawn per (stage, micro-batch) from the same seeds.
-    torch.manual_seed(0)
-    model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
-    pipe = autopipe.compile(model, devices=world, chunks=4, checkpoint=checkpoint, schedule=schedule, virtual_stages=v)
-    torch.manual_seed(100)
-    loss = pipe.step(ids, target=target, loss_fn=lm_loss)
-    loss_rank = pipe.schedule.device_of(pipe.plan.n_stages - 1)  # zbv: the V turns back to rank 0
-    assert results[loss_rank]["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
-    assert all(r["losses"] == [None, None] for k, r in enumerate(results) if k != loss_rank)
-    seen = set()
-    for r in results:
-        for name, grad in r["grads"].items():
-            torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
-            seen.add(name)
-    assert seen >= {n for n, _ in model.named_parameters()}  # every parameter got its gradient somewhere
-    # the tied embedding / LM head: summed across the first and the last rank, so both copies agree
-    head = results[loss_rank]["grads"]  # zbv: rank 0 holds both ends, one tensor under the name wte.weight
-    torch.testing.assert_close(results[0]["grads"]["wte.weight"], head.get("lm_head.weight", head.get("wte.weight")))
+    for entry in configs.split(","):
+        checkpoint, schedule, v = entry.split(":")
+        results = [r[entry] for r in ranks]
+        # In-process pipeline, same seeds: dropout masks are drawn per (stage, micro-batch) from the same seeds.
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
+        pipe = autopipe.compile(model, devices=world, chunks=4, checkpoint=checkpoint, schedule=schedule,
+                                virtual_stages=int(v))
+        torch.manual_seed(100)
+        loss = pipe.step(ids, target=target, loss_fn=lm_loss)
+        loss_rank = pipe.schedule.device_of(pipe.plan.n_stages - 1)  # zbv: the V turns back to rank 0
+        assert results[loss_rank]["losses"][0] == pytest.approx(loss.item(), rel=1e-5), entry
+        assert all(r["losses"] == [None, None] for k, r in enumerate(results) if k != loss_rank), entry
+        seen = set()
+        for r in results:
+            for name, grad in r["grads"].items():
+                torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6,
+                                           msg=f"{entry}: {name}")
+                seen.add(name)
+        assert seen >= {n for n, _ in model.named_parameters()}, entry  # every parameter got its gradient somewhere
+        # the tied embedding / LM head: summed across the first and the last rank, so both copies agree
+        head = results[loss_rank]["grads"]  # zbv: rank 0 holds both ends, one tensor under the name wte.weight
+        torch.testing.assert_close(results[0]["grads"]["wte.weight"],
+                                   head.get("lm_head.weight", head.get("wte.weight")))
+        pipe.close()
 
 
-@pytest.mark.parametrize("world,schedule,names", [
-    (2, "zb-h1", "gpt:never,two_inputs:except_last,masked:always,moe:never"),
-    (2, "zbv", "gpt:except_last,two_inputs:always,masked:never,moe:always"),
-    (4, "zb-h1", "gpt:never+except_last+always,two_inputs:never"),
-    (4, "zbv", "gpt:never+except_last+always,two_inputs:except_last"),
-    (2, "dualpipev", "gpt:never+always,two_inputs:except_last,masked:always")])
-def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, schedule, names):
-    """zb-h1 and zbv over 2 and 4 gloo ranks (dualpipev over 2: zbv's V and tasks in its own order), every checkpoint mode under each (spread over the models at 2 ranks:
-    each compile traces again; test_zero_bubble.py runs every model in every mode in process): each parameter's
-    gradient, on each rank that holds it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's
-    tied embedding and head on rank 0)."""
-    run = launch("zoo", world, tmp_path, SCHEDULE=schedule, NAMES=names)
+@pytest.mark.parametrize("world,runs", [
+    (2, "zb-h1=gpt:never,two_inputs:except_last,masked:always,moe:never"
+        "|zbv=gpt:except_last,two_inputs:always,masked:never,moe:always"
+        "|dualpipev=gpt:never+always,two_inputs:except_last,masked:always"),
+    (4, "zb-h1=gpt:never+except_last+always,two_inputs:never|zbv=gpt:never+except_last+always,two_inputs:except_last")])
+def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, runs):
+    """zb-h1 and zbv over 2 and 4 gloo ranks (dualpipev over 2: zbv's V and tasks in its own order), one launch per
+    world, every checkpoint mode under each (spread over the models at 2 ranks: each compile traces again;
+    test_zero_bubble.py runs every model in every mode in process): each parameter's gradient, on each rank that holds
+    it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's tied embedding and head on rank 0)."""
+    run = launch("zoo", world, tmp_path, RUNS=runs)
     assert run.codes == [0] * world, run.log()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    if schedule in ("zbv", "dualpipev"):
-        assert [r["stages"] for r in results] == [[d, 2 * world - 1 - d] for d in range(world)]
-    for name, modes in (entry.split(":") for entry in names.split(",")):
-        model = build(name).double().eval()
-        args, kwargs = double_inputs(name)
-        per_sample_loss(model(*args, **kwargs), torch.zeros(8)).backward()
-        expected = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
-        for checkpoint in modes.split("+"):
-            seen = set()
-            for r in results:
-                for n, grad in r["grads"][f"{name}/{checkpoint}"].items():
-                    torch.testing.assert_close(grad, expected[n], rtol=0, atol=1e-10, msg=f"{name}/{checkpoint}: {n}")
-                    seen.add(n)
-            assert seen >= {n for n, _ in model.named_parameters()}, (name, checkpoint)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    expected_of = {}
+    for schedule, names in (entry.split("=") for entry in runs.split("|")):
+        results = [r[schedule] for r in ranks]
+        if schedule in ("zbv", "dualpipev"):
+            assert [r["stages"] for r in results] == [[d, 2 * world - 1 - d] for d in range(world)]
+        for name, modes in (entry.split(":") for entry in names.split(",")):
+            if name not in expected_of:
+                model = build(name).double().eval()
+                args, kwargs = double_inputs(name)
+                per_sample_loss(model(*args, **kwargs), torch.zeros(8)).backward()
+                expected_of[name] = (model, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)
+                                             if p.grad is not None})
+            model, expected = expected_of[name]
+            for checkpoint in modes.split("+"):
+                seen = set()
+                for r in results:
+                    for n, grad in r["grads"][f"{name}/{checkpoint}"].items():
+                        torch.testing.assert_close(grad, expected[n], rtol=0, atol=1e-10,
+                                                   msg=f"{schedule} {name}/{checkpoint}: {n}")
+                        seen.add(n)
+                assert seen >= {n for n, _ in model.named_parameters()}, (schedule, name, checkpoint)
 
 
 def assert_two_ranks_give_the_plain_models(results: list[dict], model, loss) -> None:
@@ -270,7 +282,8 @@ def test_a_training_loop_with_clipping_and_a_new_length_a_step_is_the_plain_mode
     and dynamic padding (a longer, then a shorter sequence: a program per shape, one cut for all): after 4 steps every
     parameter, loss and total norm is the plain model's, in float64."""
     from test_clipping import plain_loop
-    run = launch("loop", world, tmp_path, NORM_TYPE=norm_type, MAX_NORM=0.5, SEQ_LENS=seq_lens, SCHEDULE=schedule)
+    run = launch("loop", world, tmp_path, NORM_TYPE=norm_type, MAX_NORM=0.5, SEQ_LENS=seq_lens, SCHEDULE=schedule,
+                 SKEW=1)
     assert run.codes == [0] * world, run.log()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     lengths = [int(n) for n in seq_lens.split(",")]
@@ -286,14 +299,8 @@ def test_a_training_loop_with_clipping_and_a_new_length_a_step_is_the_plain_mode
             torch.testing.assert_close(p, params[name], rtol=1e-10, atol=1e-10)
             seen.add(name)
     assert seen == set(params)  # every parameter, the tied head under both names
-
-
-def test_ranks_called_with_other_shapes_are_refused_naming_the_argument(tmp_path):
-    """Rank 1 gets a shorter batch than rank 0 at the second step: both refuse before anything is sent, naming the
-    argument and both shapes, and exit (no gloo size error, no hang)."""
-    run = launch("loop", 2, tmp_path, MAX_NORM=0, SEQ_LENS="16,24", SKEW=1)
-    assert run.codes == [0, 0], run.log()
-    for rank, (here, there) in enumerate([((8, 24), (8, 22)), ((8, 22), (8, 24))]):
-        error = json.loads((tmp_path / f"rank{rank}.err").read_text())
-        assert error["type"] == "ValueError"
-        assert f"argument idx is of shape {here} (torch.int64) here but of shape {there}" in error["message"]
+    # then the last rank is called with a shorter batch than the others: every rank refuses before anything is sent,
+    # naming the argument and both shapes (no gloo size error, no hang)
+    for rank, r in enumerate(ranks):
+        here, there = ((8, 18), (8, 14)) if rank < world - 1 else ((8, 14), (8, 18))
+        assert f"argument idx is of shape {here} (torch.int64) here but of shape {there}" in r["skewed"], r["skewed"]
