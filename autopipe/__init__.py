@@ -1,7 +1,9 @@
 """autopipe: compile an unmodified PyTorch model into a pipeline (README.md; design: docs/architecture.md)."""
-from autopipe.compile import Options, compile, plan, run_passes
+from autopipe.compile import compile, plan
 from autopipe.errors import (BatchSpecialised, CompileError, InputMismatch, ModuleCastRefused, NoFeasiblePlan,
                              PipelineError, StageFailure, TraceError, UnroutedRandomOp)
+from autopipe.options import Options
+from autopipe.pass_chain import run_passes
 from autopipe.plan import Plan, StagePlan
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline

@@ -13,7 +13,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 import autopipe
-from autopipe.compile import plan_devices, resolve_devices
+from autopipe.devices import plan_devices, resolve_devices
 
 EXAMPLES = """\
 examples (verify runs the model for real, several times: give it a small config):

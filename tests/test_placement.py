@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopipe.compile import Options, placement, run_passes, tensors_read
+from autopipe.options import Options
+from autopipe.pass_chain import run_passes
+from autopipe.placement import placement, tensors_read
 from autopipe.passes.codegen import codegen
 from zoo import GPT, ZOO, build, random_inputs, tensor_leaves
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopipe.compile import Options, run_passes
+from autopipe.options import Options
+from autopipe.pass_chain import run_passes
 from autopipe.runtime import materialize
 from mesh_worker import Rope
 from zoo import GPT
