@@ -1,13 +1,13 @@
 """autopipe: compile an unmodified PyTorch model into a pipeline (README.md; design: docs/architecture.md)."""
 from autopipe.compile import compile, plan
+from autopipe.ir.plan import Plan, StagePlan
+from autopipe.ir.schedule import Schedule
 from autopipe.errors import (BatchSpecialised, CompileError, InputMismatch, ModuleCastRefused, NoFeasiblePlan,
                              PipelineError, StageFailure, TraceError, UnroutedRandomOp)
 from autopipe.options import Options
 from autopipe.pass_chain import run_passes
-from autopipe.plan import Plan, StagePlan
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
-from autopipe.runtime.schedule import Schedule
 from autopipe.runtime.streams import sm_slices
 from autopipe.verify import VerifyReport, verify
 

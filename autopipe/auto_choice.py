@@ -8,15 +8,15 @@ from typing import Sequence
 import torch
 
 from autopipe.global_state import autocast_cache_off, preserved_global_state
-from autopipe.memory_model import choose_configuration
+from autopipe.ir.checkpoint import CHECKPOINT_MODES
+from autopipe.ir.plan import Plan
+from autopipe.ir.schedule import NAMES as SCHEDULES, device_of_stage, is_v_layout
 from autopipe.options import Options
 from autopipe.pass_chain import on_model_device, trace_analyse_and_cost
 from autopipe.passes.graph_capture import graph_capture
+from autopipe.passes.memory_model import choose_configuration
 from autopipe.passes.partition import partition
-from autopipe.plan import Plan
 from autopipe.progress import Progress
-from autopipe.runtime.schedule import NAMES as SCHEDULES, device_of_stage, is_v_layout
-from autopipe.runtime.task import CHECKPOINT_MODES
 
 
 def choose(model, args, kwargs, options: Options, devices: Sequence[torch.device], auto: list[str]) -> Plan:

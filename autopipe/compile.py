@@ -11,10 +11,10 @@ import torch.distributed as dist
 from autopipe.auto_choice import choose
 from autopipe.cuda_graphs_option import check_graphs
 from autopipe.devices import device_streams, plan_devices, resolve_devices
+from autopipe.ir.plan import Plan
 from autopipe.options import Options, as_tuple
 from autopipe.pass_chain import run_passes
 from autopipe.placement import on_streams, place
-from autopipe.plan import Plan
 from autopipe.runtime.distributed import DistributedPipeline, running_under_torchrun
 from autopipe.runtime.mesh import pipeline_size
 from autopipe.runtime.pipeline import Pipeline

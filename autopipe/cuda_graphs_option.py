@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from autopipe.devices import resolve_devices
-from autopipe.plan import Plan, human_bytes
+from autopipe.ir.plan import Plan, human_bytes
 from autopipe.runtime.distributed import running_under_torchrun
 
 

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import torch
 
-from autopipe.runtime.schedule import SPLIT, Schedule, device_of_stage, stages_per_device
+from autopipe.ir.checkpoint import CHECKPOINT_MODES
+from autopipe.ir.schedule import SPLIT, Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.streams import StageStream
-from autopipe.runtime.task import CHECKPOINT_MODES
 
 BALANCE_MODES = ("flops", "params", "time")
 

@@ -11,16 +11,16 @@ import torch.utils._pytree as pytree
 
 from autopipe.cuda_graphs_option import graphs_within_cap
 from autopipe.global_state import autocast_cache_off, preserved_global_state
-from autopipe.memory_model import predict_memory
+from autopipe.ir.plan import Plan
 from autopipe.options import Options
-from autopipe.passes.codegen import codegen
+from autopipe.passes.codegen import codegen, count_program
 from autopipe.passes.cost import cost
 from autopipe.passes.diagnostics import failures_named
 from autopipe.passes.graph_capture import graph_capture
+from autopipe.passes.memory_model import predict_memory
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
 from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
-from autopipe.plan import Plan
 from autopipe.progress import Progress
 from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.microbatch import micro_batch_sizes
@@ -80,7 +80,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             report["detail"] = f"{len(stages)} stage modules"
         if after_codegen is not None:
             after_codegen(stages)
-        compiled = Program(traced=traced, plan=plan, stages=stages)
+        compiled = Program(traced=traced, plan=plan, stages=stages, counts=count_program(traced.graph_module, plan))
         if options.cuda_graphs:
             use_cuda_graphs(compiled)
         return compiled

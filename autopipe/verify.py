@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autopipe.random_ops as random_ops
 from autopipe.compile import compile as compile_pipeline
 from autopipe.devices import resolve_devices
+from autopipe.ir.batch import batch_rows
 from autopipe.global_state import preserved_global_state
 from autopipe.options import Options, as_tuple, positive_int
 from autopipe.pass_chain import run_passes
-from autopipe.passes.trace import batch_rows
 from autopipe.passes.traced_model import named_leaves, register_dataclasses
 from autopipe.runtime.microbatch import merge, micro_batch_sizes, split_target
 from autopipe.runtime.step import model_loss

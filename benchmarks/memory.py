@@ -11,7 +11,7 @@ backward, counted with saved-tensor hooks; parameters excluded; measured only wi
 plain model counted the same way (autopipe.runtime.memory.SavedBytes). The
 "predicted" column is the analytic model of part 2 applied to this model, so
 the measurement checks the model. Per stage, the measured peak is set beside
-what the plan predicts for it (``pipe.plan.memory``, autopipe.memory_model:
+what the plan predicts for it (``pipe.plan.memory``, passes/memory_model/:
 saved activations from a fake-tensor run of the graph); they must agree
 within 15%.
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.plan import human_bytes  # noqa: E402
+from autopipe.ir.plan import human_bytes  # noqa: E402
 from autopipe.runtime.memory import SavedBytes  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from zoo import GPT, TransformerBlock  # noqa: E402

@@ -56,7 +56,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.runtime.task import checkpoints  # noqa: E402
+from autopipe.ir.checkpoint import checkpoints  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from zoo import transformer_like  # noqa: E402
 

@@ -57,7 +57,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import autopipe  # noqa: E402
 from autopipe.passes.cost import CostedGraph, cost  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
-from autopipe.plan import Plan, human_bytes  # noqa: E402
+from autopipe.ir.plan import Plan, human_bytes  # noqa: E402
 from benchmarks import _baselines  # noqa: E402
 from zoo import GPT, ViT, ResNet50, RonnebergerUNet  # noqa: E402
 

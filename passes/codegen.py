@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch._ops import HigherOrderOperator, OpOverload
 
 import autopipe.random_ops as random_ops
-from autopipe.plan import Plan, StagePlan
+from autopipe.ir.plan import Plan, StagePlan
 
 from .custom_gradients import FunctionCall
 from .diagnostics import node_where

@@ -29,7 +29,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopipe.plan import CaptureBlocker, CaptureReport, Plan, StageCapture
+from autopipe.ir.capture import CaptureBlocker, CaptureReport, StageCapture
+from autopipe.ir.plan import Plan
 
 from .custom_gradients import FunctionCall
 from .diagnostics import node_where

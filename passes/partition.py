@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopipe.plan import Plan, StagePlan, TensorInfo
+from autopipe.ir.plan import Plan, StagePlan, TensorInfo
 from autopipe.random_ops import is_random_target, op_name
 
 from .cost import CostedGraph

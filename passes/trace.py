@@ -22,6 +22,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
+from autopipe.ir.batch import carries_batch
 
 from .custom_gradients import FunctionCall, kept_whole
 from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, failed_at,
@@ -31,11 +32,11 @@ from .fx_route import trace_fx
 from .microbatch_analysis.facts import literals, record_batch_facts
 from .model_state import (buffers_kept, hooks_kept, module_casts_checked, module_state_kept,
                           scalar_buffers_kept)
-from .traced_model import InputMismatch, TracedModel, grad_flags, named_leaves, per_sample_lists
+from .traced_model import TracedModel, grad_flags, named_leaves, per_sample_lists
 
 # the pass's names, importable from here wherever they are defined
-__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "InputMismatch", "specialises_batch",
-           "output_facts", "batch_rows", "carries_batch", "fake_errors_unlogged", "MutableArguments", "mutable"]
+__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "specialises_batch", "output_facts",
+           "fake_errors_unlogged", "MutableArguments", "mutable"]
 
 
 def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
@@ -444,22 +445,6 @@ def _at_largest(x: Any) -> Any:
         with x.fake_mode:
             return torch.empty(tuple(_at_largest(d) for d in x.shape), dtype=x.dtype, device=x.device)
     return x
-
-
-def batch_rows(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-    """The batch as trace takes it: dim 0 of the first tensor argument in the order of the forward's parameters (None:
-    0-dim, or none)."""
-    try:
-        arguments: Any = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
-    except TypeError:  # named where the call is traced or checked
-        arguments = (tuple(args), dict(kwargs))
-    first = next((t for t in pytree.tree_leaves(arguments) if isinstance(t, torch.Tensor)), None)
-    return first.shape[0] if first is not None and first.dim() else None
-
-
-def carries_batch(t: torch.Tensor, batch: int | None) -> bool:
-    """Is ``t`` a batch tensor (dim 0 = the batch), which micro-batches cut, rather than one each gets whole?"""
-    return t.dim() > 0 and t.shape[0] == batch
 
 
 def _batch_size(tensors: list[torch.Tensor], first: str) -> int:

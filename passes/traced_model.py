@@ -16,11 +16,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopipe.ir.batch import InputMismatch
+
 from .model_state import assigned_since, module_state
-
-
-class InputMismatch(ValueError):
-    """A call does not match the arguments the pipeline was compiled for."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import autopipe
-from autopipe.runtime.schedule import NAMES
+from autopipe.ir.schedule import NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

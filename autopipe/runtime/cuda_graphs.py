@@ -35,27 +35,11 @@ from typing import Any, Sequence
 
 import torch
 
-from autopipe.plan import CaptureBlocker, CaptureReport, StageCapture
+from autopipe.ir.capture import CaptureBlocker, CaptureReport, StageCapture, graph_slots
 
-from .schedule import Task
 from .task import StageRunner, StepState, _Saved, _add_param_grads, _moved, _swapped, differentiable, task_seed
 
 WARMUP_ITERATIONS = 2  # make_graphed_callables' default is 3; the eager step before the capture is one more
-
-
-def graph_slots(order: Sequence[Task], recomputed: Sequence[bool]) -> int:
-    """The slots a stage replays into at once under its task ``order``: a kept micro-batch holds one from F to B; a
-    recomputed one uses one for its forward, handed back at once, and holds one from its recompute (at the start of B,
-    executor.run_tasks) to B."""
-    live = peak = 0
-    for t in order:
-        if t.kind == "F":
-            peak = max(peak, live + 1)
-            live += not recomputed[t.micro_batch]
-        elif t.kind == "B":
-            peak = max(peak, live + recomputed[t.micro_batch])
-            live -= not recomputed[t.micro_batch]
-    return peak
 
 
 def use_cuda_graphs(program: Any) -> None:

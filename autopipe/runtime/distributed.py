@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from autopipe.ir.schedule import Schedule, device_of_stage
+
 from . import checkpoint, materialize, microbatch
 from .clipping import clip_grad_norm_
 from .loss import Loss, scaled
 from .mesh import describe, pipeline_size, rank_layout, tie_groups
 from .p2p import P2PTransport, PipelineError
 from .pipeline import check_same_kinds, signature_key
-from .schedule import Schedule, device_of_stage
 from .sharding import ShardedStages, refuse_fsdp_on_top, sharded_by_the_user, sum_tied
 from .step import Program, model_loss
 from .task import StageRunner, StepState, accumulate_grads

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
-from .schedule import Task
+from autopipe.ir.schedule import Task
+
 from .task import StageRunner, StepState
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from . import microbatch
 from .loss_counts import CallCounts, MeansAtStep, check_counts, count_ahead
 
 if TYPE_CHECKING:
-    from autopipe.plan import Plan
+    from autopipe.ir.plan import Plan
 
 
 # Note [model losses in loss_fn]: loss_fn may read a loss the model computes (``out.loss``) inside an expression

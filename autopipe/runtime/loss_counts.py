@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from autopipe.plan import Plan
+    from autopipe.ir.plan import Plan
 
 
 # Note [means at the step]: a mean-reduced F.cross_entropy / F.nll_loss divides by its targets not ignored (torch's

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tabulate import tabulate
 
-from autopipe.plan import human_bytes
+from autopipe.ir.plan import human_bytes
 
 
 @dataclass

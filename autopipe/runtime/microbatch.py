@@ -9,8 +9,8 @@ from typing import Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from autopipe.passes.trace import carries_batch
-from autopipe.plan import TensorInfo
+from autopipe.ir.batch import carries_batch
+from autopipe.ir.plan import TensorInfo
 
 
 def micro_batch_sizes(batch: int, chunks: int) -> list[int]:

@@ -10,8 +10,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autopipe.ir.schedule import Schedule, Task
+
 from .executor import Transport, run_tasks
-from .schedule import Schedule, Task
 from .task import sum_grads
 from .wire import Edge, WireSpec
 

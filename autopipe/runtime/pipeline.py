@@ -10,12 +10,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from autopipe.passes.trace import InputMismatch, batch_rows, carries_batch
+from autopipe.ir.batch import InputMismatch, batch_rows, carries_batch
+from autopipe.ir.schedule import Schedule, Task, stages_per_device
 
 from . import microbatch
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport
-from .schedule import Schedule, Task, stages_per_device
 from .step import Anchor, Compiled, _PipelineFunction, _Run, model_loss
 from .threads import Worker
 from .timeline import Timeline

@@ -9,13 +9,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autopipe.passes.codegen import count_program
-from autopipe.passes.trace import carries_batch
+from autopipe.ir.batch import carries_batch
+from autopipe.ir.schedule import Schedule, Task
 
 from . import microbatch
 from .executor import run_tasks
 from .loss import Loss, scaled
-from .schedule import Schedule, Task
 from .task import StageRunner, StepState, accumulate_grads, sum_grads
 from .threads import Mailbox, run_on_workers
 
@@ -27,15 +26,14 @@ class Program:
     traced: Any                 # passes.trace.TracedModel
     plan: Any                   # autopipe.plan.Plan
     stages: list                # passes.codegen.Stage
+    # a micro-batch's count of targets per output merged by count: codegen's count program (None: no output needs it)
+    counts: torch.fx.GraphModule | None = None
     runners: list[StageRunner] = field(init=False)
     readers: dict[str, int] = field(init=False)  # how many gradients a value gets: its consumer stages, the output
-    # a micro-batch's count of targets per output merged by count
-    counts: torch.fx.GraphModule | None = field(init=False)
 
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
         self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
-        self.counts = count_program(self.traced.graph_module, self.plan) if self.stages else None
 
     def count_targets(self, flat: list) -> dict[str, float]:
         """Each output merged by count -> this micro-batch's count of its targets (one host sync)."""

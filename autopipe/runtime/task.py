@@ -17,20 +17,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from autopipe.ir.checkpoint import checkpoints
+from autopipe.ir.schedule import Schedule
+
 from .batchnorm import DeferredBatchNorm, DeferredStatistics
 from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
-from .schedule import Schedule
 from .split_backward import WeightWork, backward_input, engine_grad
 from .streams import detached, wait_for_producer
 from .timeline import Timeline
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def checkpoints(mode: str, micro_batch: int, chunks: int) -> bool:
-    """Whether this micro-batch is recomputed in backward (torchgpipe's modes)."""
-    return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
-
 
 def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
     """A seed per (step, stage, micro-batch): SplitMix64's finaliser (Steele et al. 2014) over a Weyl sequence, a few

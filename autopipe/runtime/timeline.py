@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .schedule import Schedule
+from autopipe.ir.schedule import Schedule
 
 _MARK = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W"}
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autopipe.plan import Plan, TensorInfo
+from autopipe.ir.plan import Plan, TensorInfo
 
 
 @dataclass(frozen=True)

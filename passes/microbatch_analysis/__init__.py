@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from autopipe.plan import TargetCount
+from autopipe.ir.plan import TargetCount
 
 from ..traced_model import TracedModel
 from .across_micro_batches import across_micro_batches

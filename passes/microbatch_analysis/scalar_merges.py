@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopipe.plan import TargetCount
+from autopipe.ir.plan import TargetCount
 from autopipe.random_ops import bind, is_random_target, op_name, signature_of
 
 from .facts import is_inplace, rows_per_sample

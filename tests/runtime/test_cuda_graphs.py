@@ -15,9 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.runtime.cuda_graphs import GraphedStageRunner, graph_slots
-from autopipe.runtime.schedule import Schedule
-from autopipe.runtime.task import checkpoints
+from autopipe.ir.capture import graph_slots
+from autopipe.ir.checkpoint import checkpoints
+from autopipe.ir.schedule import Schedule
+from autopipe.runtime.cuda_graphs import GraphedStageRunner
 from test_cuda import CUDA, cuda, no_tf32  # noqa: F401 (no_tf32: an autouse fixture, TF32 off in every test here)
 from zoo import GPT, ScaledByItem
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from autopipe.runtime.schedule import Schedule, Task
+from autopipe.ir.schedule import Schedule, Task
 
 
 # -- an independent executor and rule checker ---------------------------------------

@@ -9,7 +9,7 @@ import torch
 import autopipe
 from autopipe.devices import device_streams, resolve_devices
 from autopipe.options import Options
-from autopipe.runtime.schedule import device_of_stage
+from autopipe.ir.schedule import device_of_stage
 from autopipe.runtime.streams import StageStream, as_stage_stream, check_stream_device, slice_size, stream_label
 
 

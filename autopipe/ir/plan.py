@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from .capture import CaptureReport
+
 
 @dataclass(frozen=True)
 class TargetCount:
@@ -71,58 +73,6 @@ class StagePlan:
     cost: float                   # in the units of the balance objective
 
 
-@dataclass(frozen=True)
-class CaptureBlocker:
-    """Why a stage's graph cannot be captured as a CUDA graph: the node, its op, where it is in the user's code."""
-
-    node: str
-    op: str
-    where: str
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.op} ({self.node}) at {self.where}: {self.why}"
-
-
-@dataclass(frozen=True)
-class StageCapture:
-    """One stage's verdict: captured (forward, backward and recompute replayed as CUDA graphs) or run eagerly."""
-
-    stage: int
-    blockers: tuple[CaptureBlocker, ...] = ()
-
-    @property
-    def captured(self) -> bool:
-        return not self.blockers
-
-
-@dataclass
-class CaptureReport:
-    """``cuda_graphs=True``: which stages replay as CUDA graphs and, for each one that runs eagerly, why
-    (passes/graph_capture.py; assumptions in its docstring)."""
-
-    stages: list[StageCapture]
-    assumptions: tuple[str, ...] = ()
-
-    def captured(self, stage: int) -> bool:
-        return self.stages[stage].captured
-
-    def __str__(self) -> str:
-        lines = [f"CUDA graphs: {sum(s.captured for s in self.stages)} of {len(self.stages)} stages captured"]
-        for s in self.stages:
-            if s.captured:
-                lines.append(f"  stage {s.stage}: captured (forward, backward and recompute replayed)")
-                continue
-            lines.append(f"  stage {s.stage}: runs eagerly: {s.blockers[0]}")
-            lines += [f"    also {b}" for b in s.blockers[1:4]]
-            if len(s.blockers) > 4:
-                lines.append(f"    and {len(s.blockers) - 4} more")
-        lines += [f"  assumed: {a}" for a in self.assumptions]
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
 @dataclass
 class Plan:
     stages: list[StagePlan]
@@ -140,8 +90,8 @@ class Plan:
     # batch rows that depend on other samples (h - h.mean(0), roll): warned at compile
     across_micro_batches: list[str] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)  # filled by autopipe.compile / autopipe.plan
-    memory: Any = None    # autopipe.memory_model.PredictedMemory: each stage's predicted bytes
-    choice: Any = None    # autopipe.memory_model.AutoChoice, when chunks/schedule/checkpoint were "auto"
+    memory: Any = None    # passes/memory_model: a PredictedMemory, each stage's predicted bytes
+    choice: Any = None    # passes/memory_model: an AutoChoice, when chunks/schedule/checkpoint were "auto"
     cuda_graphs: CaptureReport | None = None  # cuda_graphs=True: each stage captured or eager, and why
 
     @property

@@ -1,30 +1,21 @@
-"""What a plan holds in memory and how long its step takes, per schedule, checkpoint mode and chunks: pure functions
-over a Plan and its CostedGraph, no runtime starts and no real memory is touched. Activations are what autograd saves,
-counted on fake tensors with pipe.memory's hook. Not modelled: the backward's transient gradients, the allocator, the
-loss outside the pipeline."""
+"""Each stage's predicted memory (parameters, gradients, optimizer state, kept activations, the recompute peak, CUDA
+graph slots) and the busiest device's step time, for one schedule, checkpoint mode and chunks."""
 from __future__ import annotations
 
-import functools
 import math
-import textwrap
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable
 
-import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tabulate import tabulate
 
-from autopipe import random_ops
-from autopipe.passes.cost import CostedGraph
-from autopipe.passes.partition import NoFeasiblePlan
-from autopipe.passes.trace import fake_errors_unlogged
-from autopipe.plan import Plan
-from autopipe.plan import human_bytes as _human
-from autopipe.runtime.cuda_graphs import graph_slots
-from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule, stages_per_device
-from autopipe.runtime.task import CHECKPOINT_MODES, checkpoints
+from autopipe.ir.capture import graph_slots
+from autopipe.ir.checkpoint import checkpoints
+from autopipe.ir.plan import Plan
+from autopipe.ir.plan import human_bytes as _human
+from autopipe.ir.schedule import Schedule
+
+from ..cost import CostedGraph
+from .saved_tensors import SavedTensors, saved_tensors
 
 # optimizer state per trainable parameter byte
 OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1,
@@ -39,103 +30,6 @@ RECOMPUTE_FACTOR = 1.0  # a recompute is one more forward
 DEVICE_FLOPS = 1.4e11
 TASK_SECONDS = 0.7e-3
 OP_SECONDS = 15e-6
-
-
-@dataclass
-class SavedTensors:
-    """What autograd saves in one whole-batch forward; a tensor and its views share one storage key."""
-
-    saves: dict[str, frozenset[int]]           # node name -> storages its forward saves for backward
-    storage_bytes: dict[int, int]              # storage key -> bytes at the whole batch
-    value_storages: dict[str, frozenset[int]]  # graph value (placeholder / node) -> storages it lives in
-
-
-def saved_tensors(costed: CostedGraph) -> SavedTensors:
-    """Per node, the storages autograd saves (parameters and buffers excluded), from one run on fake tensors."""
-    gm = costed.traced.graph_module
-    real = [*_tensors([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]), *gm.parameters()]
-    device = next((t.device for t in real if t.device.type != "meta"), torch.device("cpu"))
-    keep: list[torch.Tensor] = []  # every tensor stays alive: no storage key is reused while counting
-    storage_bytes: dict[int, int] = {}
-    resident, current = set(), set()  # storage keys: of parameters and buffers; of what the running node saves
-
-    def key(t: torch.Tensor) -> int:
-        keep.append(t)
-        storage = t.untyped_storage()
-        storage_bytes[storage._cdata] = storage.nbytes()
-        return storage._cdata
-
-    def fake(val: Any, grad: bool = False) -> Any:  # inside the fake mode: allocates nothing
-        if isinstance(val, (list, tuple)) and not isinstance(val, torch.Size):
-            return type(val)(fake(v, grad) for v in val)
-        if not isinstance(val, torch.Tensor):
-            return int(val) if isinstance(val, torch.SymInt) else val
-        t = torch.empty(tuple(int(d) for d in val.shape), dtype=val.dtype, device=device)
-        return t.requires_grad_(grad and (t.is_floating_point() or t.is_complex()))
-
-    @functools.cache  # one fake per parameter or buffer (a tensor hashes by identity)
-    def resident_fake(t: torch.Tensor) -> torch.Tensor:
-        resident.add(key(f := fake(t, isinstance(t, torch.nn.Parameter) and t.requires_grad)))
-        return f
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if (k := key(t)) not in resident:
-            current.add(k)
-        return t
-
-    env: dict[fx.Node, Any] = {}
-    saves: dict[str, frozenset[int]] = {}
-    values: dict[str, frozenset[int]] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode(False), torch.enable_grad(), \
-            fake_errors_unlogged():
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = fake(node.meta.get("val"))
-            elif node.op == "get_attr":
-                value = functools.reduce(getattr, node.target.split("."), gm)
-                env[node] = resident_fake(value) if isinstance(value, torch.Tensor) else value
-            elif node.op != "output":
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                current.clear()
-                try:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        env[node] = _run_node(gm, node, args, kwargs, resident_fake)
-                except Exception:  # count what it reads and returns, if anything needs a gradient
-                    current.clear()
-                    inputs = _tensors((args, kwargs))
-                    grad = any(t.requires_grad for t in inputs) or node.op == "call_module" and any(
-                        p.requires_grad for p in gm.get_submodule(node.target).parameters())
-                    env[node] = fake(node.meta.get("val"), grad)
-                    if grad:
-                        current.update(k for t in inputs + _tensors(env[node]) if (k := key(t)) not in resident)
-                saves[node.name] = frozenset(current)
-            if node.op != "output":
-                values[node.name] = frozenset(key(t) for t in _tensors(env[node]))
-    return SavedTensors(saves, storage_bytes, values)
-
-
-def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Callable) -> Any:
-    """One node on fake tensors, random ops as codegen emits them (passes/codegen.py ``_route``)."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        fn, constants_of = random_ops.MODULES.get(type(module), (None, None))
-        if fn is not None and random_ops.draws(constants := constants_of(module)):
-            return fn(args[0] if args else kwargs["input"], **constants)
-        owned = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        return torch.func.functional_call(module, {name: resident_fake(t) for name, t in owned}, tuple(args),
-                                          dict(kwargs), strict=False)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    target = node.target
-    if target in random_ops.FUNCTIONS and random_ops.draws(random_ops.bind(target, node.args, node.kwargs) or {}):
-        fn, extra = random_ops.FUNCTIONS[target]
-        renamed = "train" not in getattr(random_ops.signature_of(fn), "parameters", {})  # aten's train, F's training
-        return fn(*args, **({("training" if k == "train" and renamed else k): v for k, v in kwargs.items()} | extra))
-    return target(*args, **kwargs)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -360,120 +254,3 @@ def predicted_step_time(plan: Plan, schedule_name: str = "gpipe", checkpoint: st
         work[schedule.device_of(s.index)] += compute + overhead * tasks
     busy = 1.0 - schedule.bubble_fraction
     return max(work) / busy if busy > 0 else math.inf
-
-
-@dataclass(eq=False)
-class Candidate:
-    """One configuration weighed; its settings, peak and bubble read through from its predicted memory."""
-
-    plan: Plan
-    memory: PredictedMemory
-    time: float
-    fits: bool
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("schedule", "virtual_stages", "checkpoint", "chunks", "peak", "bubble"):
-            return getattr(self.memory, name)
-        raise AttributeError(name)
-
-
-@dataclass
-class AutoChoice:
-    """The configuration ``choose_configuration`` picked (its fields read through), and every one it weighed."""
-
-    chosen: Candidate | None  # None: nothing fits, and this only lists the alternatives for the error
-    candidates: list[Candidate]
-    memory_cap: float
-    n_devices: int
-    batch_size: int
-    ideal: float          # 3 x total cost / K: a perfectly balanced pipeline without bubble or overhead
-    optimizer: str | None
-    unplanned: list[str]  # alternatives that could not be weighed, and why
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("plan", "schedule", "virtual_stages", "checkpoint", "chunks", "memory", "time"):
-            return getattr(self.chosen, name)
-        raise AttributeError(name)
-
-    def table(self, full: bool = False) -> str:
-        """Every alternative with ``full``; else the best of each (schedule, checkpoint)."""
-        shown: dict[Any, Candidate] = {}
-        for c in sorted(self.candidates, key=_rank):
-            shown.setdefault(id(c) if full else (c.schedule, c.virtual_stages, c.checkpoint), c)
-        rows = [["->" if c is self.chosen else "",
-                 c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""), c.checkpoint, c.chunks,
-                 " ".join(_human(b) for b in c.memory.per_device()), _human(c.peak), f"{c.bubble:.3f}",
-                 f"{c.time / self.ideal:.3f}", "fits" if c.fits else f"over by {_human(c.peak - self.memory_cap)}"]
-                for c in shown.values()]
-        headers = ["", "schedule", "checkpoint", "chunks", "peak per device", "max peak", "bubble", "time (x ideal)",
-                   f"cap {_human(self.memory_cap)}"]
-        return "\n".join([tabulate(rows, headers=headers, tablefmt="simple"),
-                          *(f"not weighed: {textwrap.shorten(u, 110)}" for u in self.unplanned)])
-
-    def __str__(self) -> str:
-        c = self.chosen
-        v = f" (virtual_stages={c.virtual_stages})" if c.virtual_stages > 1 else ""
-        return (f"Chosen: schedule={c.schedule!r}{v}, checkpoint={c.checkpoint!r}, chunks={c.chunks}: predicted peak "
-                f"{_human(c.peak)} per device (cap {_human(self.memory_cap)}), bubble {c.bubble:.3f}, step "
-                f"{c.time / self.ideal:.2f}x ideal\nAlternatives weighed (batch {self.batch_size}, {self.n_devices} "
-                f"device(s), optimizer {self.optimizer or 'none'}; time in ideal steps, 3 x total cost / K, with a "
-                f"fixed cost per task; the fastest that fits wins; shown: the best per schedule and checkpoint of "
-                f"{len(self.candidates)}, all in .table(full=True)):\n" + self.table())
-
-    __repr__ = __str__
-
-
-def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *, batch_size: int, n_devices: int,
-                         memory_cap: float, schedules: Sequence[str] = SCHEDULES,
-                         checkpoint_modes: Sequence[str] = CHECKPOINT_MODES, chunks: int | Sequence[int] | None = None,
-                         optimizer: str | None = "adam", task_overhead: float | None = None) -> AutoChoice:
-    """The fastest (schedule, checkpoint, chunks) that fits ``memory_cap`` bytes per device; ``plan_for(n_stages)``
-    gives an uncapped Plan and its CostedGraph. ``chunks=None`` weighs powers of two and the batch size; "interleaved"
-    runs 2 virtual stages per device."""
-    auto = chunks is None
-    counts = {2 ** k for k in range(batch_size.bit_length())} | {max(batch_size, 1)} if auto else chunks
-    counts = [counts] if isinstance(counts, int) else sorted(set(counts))
-    plan_for = functools.cache(plan_for)  # one plan per stage count
-    candidates: list[Candidate] = []
-    unplanned: list[str] = []
-    saved: dict[int, SavedTensors] = {}  # one fake run per graph (kept alive by plan_for's cache: ids stay unique)
-    for name in schedules:
-        v = stages_per_device(name, 2 if name == "interleaved" else 1)  # zbv: 2K stages in a V
-        try:
-            plan, costed = plan_for(n_devices * v)
-        except (ValueError, NoFeasiblePlan) as e:
-            unplanned.append(f"{name}: no {n_devices * v}-stage plan: {e}")
-            continue
-        saved[id(costed)] = saved.get(id(costed)) or saved_tensors(costed)
-        for m in counts:
-            try:
-                Schedule.build(name, n_devices, m, v)
-            except ValueError as e:  # no interleaved table for these chunks: listed only when asked for
-                if not auto:
-                    unplanned.append(f"{name}, chunks={m}: {e}")
-                continue
-            for mode in checkpoint_modes:
-                memory = predict_memory(costed, plan, name, mode, m, v, optimizer, saved=saved[id(costed)])
-                time = predicted_step_time(plan, name, mode, m, v, task_overhead=task_overhead)
-                candidates.append(Candidate(plan, memory, time, memory.peak <= memory_cap))
-    ideal = (3 * candidates[0].plan.total_cost / n_devices if candidates else 0.0) or 1.0
-    least = min(candidates, key=_rank, default=None)  # the fastest that fits, else the smallest peak
-    choice = AutoChoice(None, candidates, memory_cap, n_devices, batch_size, ideal, optimizer, unplanned)
-    if least is None:
-        raise NoFeasiblePlan("no configuration could be planned:\n" + choice.table())
-    if least.fits:
-        return replace(choice, chosen=least)
-    worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
-    resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
-    raise NoFeasiblePlan(f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): "
-                         f"the smallest predicted peak is {_human(least.peak)} (schedule={least.schedule!r}, "
-                         f"checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, of which "
-                         f"{_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). "
-                         f"Raise memory_cap to at least {_human(least.peak)}, add devices, use a lighter optimizer, or "
-                         f"a smaller batch.\nAlternatives weighed:\n{choice.table()}")
-
-
-def _rank(c: Candidate) -> tuple:
-    """Fitting first, then the fastest (on a tie: less memory, fewer chunks, less recompute); else the least peak."""
-    speed = (round(c.time, 9), c.peak) if c.fits else (c.peak, c.time)
-    return (not c.fits, *speed, c.chunks, ("never", "except_last", "always").index(c.checkpoint))

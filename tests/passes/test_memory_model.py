@@ -1,4 +1,4 @@
-"""autopipe/memory_model.py: predicted activations, memory and step time against what the runtime measures.
+"""passes/memory_model/: predicted activations, memory and step time against what the runtime measures.
 
 Measured figures come from ``pipe.memory`` (compile(..., track_memory=True)): the bytes autograd saves per
 stage, counted by storage. torch.split hands stage 0 its micro-batch as a view of the whole batch's storage,
@@ -13,13 +13,14 @@ import torch
 import torch.utils._pytree as pytree
 
 import autopipe
-from autopipe import memory_model as mm
+from autopipe.ir.plan import human_bytes
+from autopipe.ir.schedule import NAMES as SCHEDULES, Schedule
+from autopipe.passes import memory_model as mm
 from autopipe.passes.cost import cost
 from autopipe.passes.partition import NoFeasiblePlan, partition
 from autopipe.passes.trace import trace
 from autopipe.runtime import microbatch
 from autopipe.runtime.memory import SavedBytes
-from autopipe.runtime.schedule import NAMES as SCHEDULES, Schedule
 from zoo import GPT, MLP, ResNet, random_inputs
 
 TOLERANCE = 0.15
@@ -367,7 +368,7 @@ def test_choose_refuses_naming_the_smallest_peak(gpt_choice):
     # the smallest peak it names is the smallest of the candidates
     choice = mm.choose_configuration(plan_for, batch_size=32, n_devices=4, memory_cap=2**40, chunks=[4, 8])
     least = min(c.peak for c in choice.candidates)
-    assert f"smallest predicted peak is {mm._human(least)}" in message
+    assert f"smallest predicted peak is {human_bytes(least)}" in message
 
 
 def test_choose_restricted_candidates(gpt_choice):
