@@ -9,7 +9,8 @@ from autopipe.pass_chain import run_passes
 from autopipe.runtime.distributed import DistributedPipeline
 from autopipe.runtime.pipeline import Pipeline
 from autopipe.runtime.streams import sm_slices
-from autopipe.verify import VerifyReport, verify
+from autopipe.verify import verify
+from autopipe.verify_report import VerifyReport
 
 __all__ = ["compile", "plan", "verify", "run_passes", "Options", "Pipeline", "DistributedPipeline", "Plan",
            "StagePlan", "Schedule", "VerifyReport", "BatchSpecialised", "CompileError", "InputMismatch",

@@ -4,7 +4,7 @@ once per micro-batch size."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -13,14 +13,16 @@ from autopipe.cuda_graphs_option import graphs_within_cap
 from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.ir.plan import Plan
 from autopipe.options import Options
-from autopipe.passes.codegen import codegen, count_program
+from autopipe.passes.batch_mixing import refuse_batch_mixing_outputs
+from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
-from autopipe.passes.diagnostics import failures_named
+from autopipe.passes.diagnostics import failures_named, listed
 from autopipe.passes.graph_capture import graph_capture
 from autopipe.passes.memory_model import predict_memory
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
-from autopipe.passes.trace import BatchSpecialised, listed, output_facts, trace
+from autopipe.passes.target_counts import count_program
+from autopipe.passes.trace import BatchSpecialised, trace
 from autopipe.progress import Progress
 from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.microbatch import micro_batch_sizes
@@ -97,34 +99,9 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             progress.say(f"the model specialises on the batch size: tracing at micro-batch size(s) {sizes}")
             programs = {size: program(size, e) for size in sizes}
             if options.chunks > 1:
-                _refuse_batch_mixing_outputs(model, args, kwargs, e.batch_size, programs.values())
+                refuse_batch_mixing_outputs(model, args, kwargs, e.batch_size, programs.values())
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
-
-
-def _refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Iterable[Program]) -> None:
-    """Refused before anything runs, for a model exported at its micro-batch size: an output computed from a value
-    holding the batch in two dims, or one whose other dims grow with the batch (CLIP's logits), seen in eager runs at
-    the whole batch. The export one row larger finds these where the two exports have the same nodes; where they do not
-    (a branch on len(x) == 1), these runs may (docs/architecture.md, "Pitfalls measured")."""
-    whole = output_facts(model, args, kwargs, batch)
-    for path, _, pairing in whole or ():
-        if pairing:
-            raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two "
-                             f"dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives); a "
-                             f"micro-batch holds only its own samples, so no merge of the micro-batches' values is the "
-                             f"plain model's; compute it outside the model from per-sample outputs, or run with "
-                             f"chunks=1")
-    for program in programs if whole is not None else ():
-        plan, traced = program.plan, program.traced
-        for name, position in zip(plan.graph_outputs, traced.output_positions):
-            info, (path, shape, _) = plan.tensors.get(name), whole[position]
-            if info is not None and info.shape and shape is not None and (shape[1:] != info.shape[1:]
-                                                                          or shape[0] != info.rows_per_sample * batch):
-                raise ValueError(f"the model's {path} has shape {shape} for a batch of {batch} and {info.shape} for a "
-                                 f"micro-batch of {traced.batch_size}: it mixes the rows of the batch, so no "
-                                 f"concatenation of the micro-batches' parts is the plain model's value; return it per "
-                                 f"sample, compute it outside the model, or run with chunks=1")
 
 
 def on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):

@@ -5,23 +5,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import operator
 import os
 import re
 import sys
-import types
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._ops import HigherOrderOperator, OpOverload
 
-import autopipe.random_ops as random_ops
 from autopipe.ir.plan import Plan, StagePlan
 
-from .custom_gradients import FunctionCall
 from .diagnostics import node_where
-from .inplace_writes import InPlaceWrites, find_inplace_writes, is_batch_norm
+from .inplace_writes import find_inplace_writes
+from .random_routes import emit, route
+from .stage_writes import inputs_written, running_buffers
 
 
 class Stage(fx.GraphModule):
@@ -36,7 +33,7 @@ class Stage(fx.GraphModule):
         self._header = header
         self.uses_rng = any(n.op == "placeholder" and n.target == "generator" for n in graph.nodes)
         self.cloned_inputs = cloned_inputs
-        self.running_buffers, self.written_buffers = _running_buffers(self)
+        self.running_buffers, self.written_buffers = running_buffers(self)
         self.module_aliases = dict(graph._codegen.aliases)  # the modules stay registered under their own names
         self.__dict__.update({alias: self.get_submodule(target) for target, alias in self.module_aliases.items()})
 
@@ -129,8 +126,8 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]
         body = sorted((facts.nodes[n] for n in (*sp.replicated, *sp.nodes)), key=facts.order.__getitem__)
-        routes = {n: r for n in body if (r := _route(n, graph_module, sp)) is not None}
-        writable = _check_writes(facts, plan, sp, inputs, body)
+        routes = {n: r for n in body if (r := route(n, graph_module, sp)) is not None}
+        writable = inputs_written(facts, plan, sp, inputs, body)
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for source in inputs:
@@ -143,7 +140,7 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
         attributes: dict[str, Any] = {}
         for node in body:
             env.update({a: graph.node_copy(a) for a in node.all_input_nodes if a.op == "get_attr" and a not in env})
-            env[node] = _emit(graph, node, routes[node], env, generator, graph_module, attributes) if node in routes \
+            env[node] = emit(graph, node, routes[node], env, generator, graph_module, attributes) if node in routes \
                 else graph.node_copy(node, env.__getitem__)
         graph.output(tuple(env[facts.nodes[name]] for name in sp.outputs))
         _use_stage_device(graph, graph_module, attributes, sp.device)
@@ -153,82 +150,6 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
                             [n.name for n in writable]))
     return stages
 
-
-# -- random ops -----------------------------------------------------------------------
-
-def _route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, dict] | None:
-    """(how, target, constants) for a random node: how is "kwarg", "function" (random_ops') or "wrap"."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if type(module) in random_ops.MODULES:  # nn.Dropout & co: their function, their constants baked in
-            fn, constants_of = random_ops.MODULES[type(module)]
-            return ("function", fn, constants) if random_ops.draws(constants := constants_of(module)) else None
-        return ("wrap", node.target, {}) if random_ops.module_draws(module) else None
-    if node.op not in ("call_function", "call_method"):
-        return None
-    if isinstance(node.target, FunctionCall):  # a custom autograd.Function: its forward's draws, where it makes any
-        values = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        return ("wrap", node.target, {}) if random_ops.draws_when_called(node.target, *values) else None
-    target = random_ops.resolve(node.target, node.args, node.kwargs)
-    if isinstance(target,
-                  types.FunctionType) and not random_ops.from_torch(target) and not (target.__module__
-                                                                                     or "").startswith("autopipe"):
-        return "wrap", target, {}  # a function fx did not look into (fx.wrap: torchvision's stochastic_depth, a user's)
-    if isinstance(target, HigherOrderOperator):  # export's no_grad / autocast regions: subgraphs
-        subgraphs = [operator.attrgetter(a.target)(gm) for a in node.all_input_nodes if a.op == "get_attr"]
-        draws = any(_route(n, sub, sp) for sub in subgraphs if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes)
-        return ("wrap", target, {}) if draws else None
-    if not random_ops.is_random_target(target) or not random_ops.draws(random_ops.bind(target, node.args, node.kwargs)
-                                                                       or {}):
-        return None
-    if target in random_ops.FUNCTIONS:
-        return "function", *random_ops.FUNCTIONS[target]
-    if isinstance(target, OpOverload):
-        how, routed = random_ops.aten_route(target)
-        if how != "unrouted":
-            return how, routed, {}
-        if torch.device(sp.device).type == "cuda":  # a fused kernel: on the task's generator's state
-            return "wrap", target, {}
-    elif random_ops.takes_generator(target):
-        return "kwarg", target, {}
-    elif node.op == "call_function":  # a torch Python function that draws inside (F.gumbel_softmax)
-        return "wrap", target, {}
-    raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
-        f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random "
-        f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
-        f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use an "
-        f"op that takes a generator (torch.rand, ...).")
-
-
-def _emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dict, generator: fx.Node,
-          gm: fx.GraphModule, attributes: dict[str, Any]) -> fx.Node:
-    """``node`` in the stage's graph, drawing from ``generator``."""
-    how, target, constants = route
-    args = tuple(fx.node.map_arg(node.args, env.__getitem__))
-    kwargs = dict(fx.node.map_arg(node.kwargs, env.__getitem__))
-    if how == "kwarg":  # the op takes generator=; where a call passes its own, the task's replaces it
-        args, kwargs = random_ops.with_generator(target, generator, args, kwargs)
-    elif how == "wrap":
-        if node.op == "call_module":
-            callee = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
-        elif isinstance(target, (OpOverload, HigherOrderOperator)):
-            callee = target
-        else:  # a Python function: a stage attribute, so the code can name it
-            name = f"{node.name}_fn"
-            while hasattr(gm, name):
-                name += "_"
-            attributes[name] = target
-            callee = graph.get_attr(name)
-        args, target = (callee, generator, *args), random_ops.call_with_generator
-    else:
-        if node.op == "call_module":  # the module's input is the function's only argument
-            args, kwargs = (args[0] if args else kwargs["input"],), {}
-        parameters = getattr(random_ops.signature_of(target), "parameters", {})  # aten's train, F's training
-        kwargs = {("training" if k == "train" and "training" in parameters else k): v for k, v in kwargs.items()}
-        kwargs.update(constants, generator=generator)
-    new = graph.create_node(node.op if how == "kwarg" else "call_function", target, args, kwargs, name=node.name)
-    new.meta = {k: v for k, v in node.meta.items() if k != "is_wrapped"}  # fx.wrap's mark is for the old target
-    return new
 
 
 def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[str, Any], device: torch.device) -> bool:
@@ -262,66 +183,6 @@ def _attribute(root: torch.nn.Module, target: str) -> Any:
     return None
 
 
-# -- in-place writes --------------------------------------------------------------------
-
-def _check_writes(facts: InPlaceWrites, plan: Plan, sp: StagePlan, inputs: list[fx.Node],
-                  body: list[fx.Node]) -> list[fx.Node]:
-    """The stage inputs the stage writes in place, to clone first. Raises ValueError for a write another stage (or the
-    model's output) would have to see: each stage gets its own copy of what it receives. A safety net: partition keeps
-    each write with the reads that must see it (InPlaceWrites.reads), so no plan of its own should meet it."""
-    input_set, body_set, own = set(inputs), set(body), {facts.nodes[n] for n in sp.nodes}
-    recomputed_elsewhere = {facts.nodes[n] for s in plan.stages if s.index != sp.index for n in s.replicated}
-
-    def local_root(a: fx.Node) -> fx.Node:  # follow views back to a stage input or a tensor made here
-        while a not in input_set and facts.alias[a] is not None:
-            a = facts.alias[a]
-        return a
-
-    for w in body:
-        for a in facts.writes[w]:
-            root = local_root(a)
-            if facts.base[a].op == "get_attr":  # a buffer: every stage holds the same object
-                continue
-            for m in facts.sharing(a):
-                same = (m in body_set or m in input_set) and local_root(m) is root
-                if m not in body_set and m not in input_set and any(v in own for v in facts.views_back(m)):
-                    continue  # a later stage's view of what this stage sent once it had run, the write included
-                for u in m.users:
-                    # a reader here sees the write; one elsewhere (a recomputed node's copy too) gets what this stage
-                    # sends, which is the write's result only for a tensor made here
-                    elsewhere = u not in body_set or u in recomputed_elsewhere
-                    if facts.order[u] > facts.order[w] and not (same and (m in own or not elsewhere)):
-                        reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
-                        raise ValueError(
-                            f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value "
-                            f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor it "
-                            f"receives, so that read would not see the write. Write out of place there (x = x + y "
-                            f"rather than x += y, inplace=False); see docs/faithfulness.md")
-    return list(dict.fromkeys(root
-                              for root in (local_root(a) for w in body for a in facts.writes[w]) if root in input_set))
-
-
-def _running_buffers(stage: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers written
-    by in-place ops; those of them no BatchNorm writes)."""
-    norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
-    buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
-    facts, written = find_inplace_writes(stage), []
-    # code the graph does not show may write its buffers: spectral_norm's power iteration
-    for node in stage.graph.find_nodes(op="call_module"):
-        module = stage.get_submodule(node.target)
-        if any(m._forward_hooks or m._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(m)
-               or not random_ops.from_torch(type(m)) for m in module.modules()):
-            written += [b for m in module.modules() if not isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                        for b in m.buffers(recurse=False)]
-    for node, args in facts.writes.items():
-        by_norm = is_batch_norm(node)
-        for base in (facts.base[a] for a in args):
-            value = operator.attrgetter(base.target)(stage) if base.op == "get_attr" else None
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                (buffers if by_norm else written).append(value)
-    return list({id(b): b for b in [*buffers, *written]}.values()), list({id(b): b for b in written}.values())
-
 
 def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: list[fx.Node]) -> str:
     lines = [f"# autopipe stage {sp.index} of {plan.n_stages} on {sp.device}: {len(sp.nodes)} nodes, "
@@ -339,40 +200,3 @@ def _header(plan: Plan, sp: StagePlan, routes: dict[fx.Node, Any], writable: lis
     return "\n".join(lines) + "\n"
 
 
-# -- counts of targets -------------------------------------------------------------------
-
-def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | None:
-    """Plain code over a micro-batch's flat inputs that returns, for each output merged by count (``TargetCount``), how
-    many targets its loss averages over. It runs on every micro-batch before the step, so that under 1F1B the first
-    loss's backward already has its weight: the micro-batch's count over the whole batch's. None where no output needs
-    it."""
-    counted = [info.count for name in plan.graph_outputs if (info := plan.tensors.get(name)) is not None and info.count]
-    if not counted:
-        return None
-    nodes = {n.name: n for n in graph_module.graph.nodes}
-    needed: set[fx.Node] = set()
-    todo = [nodes[c.target] for c in counted]
-    while todo:
-        if (n := todo.pop()) not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
-    graph, env = fx.Graph(), {}
-    for n in graph_module.graph.nodes:
-        if n.op == "placeholder" or n in needed:
-            env[n] = graph.node_copy(n, env.__getitem__)
-    counts = []
-    for c in counted:
-        target = env[nodes[c.target]]
-        if c.ignore_index is None:  # a mask: the rows it selects, times the elements the mean takes from each
-            counts.append(graph.call_function(operator.mul, (graph.call_method("sum", (target,)), c.per_row)))
-            continue
-        valid = graph.call_function(operator.ne, (target, c.ignore_index))
-        if c.weight is not None:  # torch's total_weight: the class weights of the targets not ignored
-            weight = graph.call_method("to",
-                                       (graph.get_attr(c.weight), graph.call_function(getattr, (target, "device"))))
-            picked = graph.call_function(operator.getitem,
-                                         (weight, graph.call_function(torch.where, (valid, target, 0))))
-            valid = graph.call_function(operator.mul, (picked, valid))
-        counts.append(graph.call_method("sum", (valid,)))
-    graph.output(tuple(counts))
-    return fx.GraphModule(graph_module, graph, class_name="TargetCounts")

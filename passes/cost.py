@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .model_state import scalar_buffers_kept
-from .trace import MutableArguments, fake_errors_unlogged, mutable
+from .fake_shapes import MutableArguments, fake_errors_unlogged, mutable
 from .traced_model import TracedModel
 
 

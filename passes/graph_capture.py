@@ -34,7 +34,7 @@ from autopipe.ir.plan import Plan
 
 from .custom_gradients import FunctionCall
 from .diagnostics import node_where
-from .trace import fake_errors_unlogged
+from .fake_shapes import fake_errors_unlogged
 from .traced_model import TracedModel
 
 ASSUMPTIONS = ("a custom autograd.Function's backward is not run by this check and is taken to be capturable; "

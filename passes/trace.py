@@ -4,10 +4,8 @@ traced_model.py). fx first, else torch.export (export_route.py); the routes and 
 its nodes (microbatch_analysis/facts.py)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import logging
 import operator
 import re
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -15,28 +13,25 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv, free_unbacked_symbols
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.global_state import preserved_global_state
 from autopipe.ir.batch import carries_batch
 
 from .custom_gradients import FunctionCall, kept_whole
-from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, failed_at,
-                          first_line, listed, node_where, raised_at, specialises_batch)
+from .diagnostics import (BatchSpecialised, ModuleCastRefused, TraceError, causes, explain_failures, first_line, listed,
+                          node_where, raised_at, specialises_batch)
 from .export_route import export_flat_graph
+from .fake_shapes import fake_errors_unlogged, propagate_fake_shapes
 from .fx_route import trace_fx
 from .microbatch_analysis.facts import literals, record_batch_facts
-from .model_state import (buffers_kept, hooks_kept, module_casts_checked, module_state_kept,
-                          scalar_buffers_kept)
-from .traced_model import TracedModel, grad_flags, named_leaves, per_sample_lists
+from .model_state import buffers_kept, hooks_kept, module_casts_checked
+from .traced_model import TracedModel, grad_flags
 
 # the pass's names, importable from here wherever they are defined
-__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "specialises_batch", "output_facts",
-           "fake_errors_unlogged", "MutableArguments", "mutable"]
+__all__ = ["trace", "TracedModel", "TraceError", "BatchSpecialised", "specialises_batch"]
 
 
 def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
@@ -209,93 +204,6 @@ def _numbers_read(node: fx.Node | None) -> list[fx.Node]:
                                     and not any(map(values_set, a.all_input_nodes))]
 
 
-def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-                 batch: int) -> list[tuple[str, tuple | None, str]] | None:
-    """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a
-    model exported at its micro-batch size shows its outputs at that size alone. Shape None: not a tensor. The pairing
-    op is the first op the leaf is computed from whose result holds the batch in two dims (contrastive logits), seen by
-    a second run one row larger with the same ops ("": none, or the runs differ, as the two exports at the micro-batch
-    size may where the whole batch's runs do not). None where the model cannot run on fake tensors."""
-    runs = []
-    for rows in (batch, batch + 1):
-        try:
-            with preserved_global_state(), module_state_kept(model), hooks_kept(model), \
-                    scalar_buffers_kept(model, every_buffer=True), \
-                    torch.no_grad(), fake_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                grow = lambda t: torch.cat([t, t[:1]]) if rows > batch and carries_batch(t, batch) else t  # noqa: E731
-                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: grow(mode.from_tensor(t)),
-                                                              (tuple(args), dict(kwargs)))
-                with _OpRecorder() as ops:
-                    leaves = named_leaves(per_sample_lists(model(*fake_args, **fake_kwargs), rows))
-            runs.append((leaves, ops.ops))
-        except Exception:  # noqa: BLE001 - data-dependent ops: nothing learnt
-            if not runs:
-                return None
-    (leaves, ops), mixed = runs[0], {}
-    if len(runs) == 2 and [op[0] for op in ops] == [op[0] for op in runs[1][1]]:
-        for (func, inputs, outputs), (_, _, grown) in zip(ops, runs[1][1]):
-            source = next((mixed[id(t)] for t in inputs if id(t) in mixed), None)
-            if source is None and any(a.dim() == b.dim() and sum(x != y for x, y in zip(a.shape, b.shape)) > 1
-                                      for a, b in zip(outputs, grown)):
-                source = str(func)
-            mixed.update((id(t), source) for t in outputs if source)
-    return [(path, tuple(t.shape) if isinstance(t, torch.Tensor) else None, mixed.get(id(t), "")) for path, t in leaves]
-
-
-class _OpRecorder(TorchDispatchMode):
-    """Each aten op with its tensor inputs and outputs, kept alive so that their ids stay theirs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]  # noqa: E731
-        self.ops.append((func, tensors((args, kwargs)), tensors(out)))
-        return out
-
-
-def mutable(value: Any) -> Any:
-    """``value`` with fx's immutable_list and immutable_dict as plain ones: an fx Interpreter hands a node its arguments
-    so, and a function fx keeps whole may write to one (torchvision's swin3d window sizes), as it may when the generated
-    code calls it."""
-    if isinstance(value, list):
-        return [mutable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: mutable(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return type(value)(*map(mutable, value)) if hasattr(value, "_fields") else tuple(map(mutable, value))
-    return value
-
-
-class MutableArguments(fx.Interpreter):
-    """autopipe's graph runs: a node's arguments ``mutable``, and a node that raises kept on its error (Note [the node
-    an error was raised at])."""
-
-    def fetch_args_kwargs_from_env(self, n: fx.Node):
-        return mutable(super().fetch_args_kwargs_from_env(n))
-
-    def run_node(self, n: fx.Node):
-        try:
-            return super().run_node(n)
-        except Exception as e:
-            failed_at(e, n)
-            raise
-
-
-class _FakeProp(MutableArguments, FakeTensorProp):
-    pass
-
-
-class _MetaProp(MutableArguments):
-    """Meta kernels directly, for a model and inputs all on meta: ~3x faster than FakeTensorMode (48-block GPT)."""
-
-    def run_node(self, n: fx.Node):
-        n.meta["val"] = super().run_node(n)
-        return n.meta["val"]
-
-
 def _unpack_sequence_outputs(traced: TracedModel) -> None:
     """An output that is one fx value holding several tensors (``return torch.split(h, [3, 5], -1)``: fx cannot see
     into it while tracing) becomes one getitem node per tensor, so every flat output is a tensor to merge."""
@@ -316,44 +224,9 @@ def _unpack_sequence_outputs(traced: TracedModel) -> None:
     gm.recompile()
 
 
-def _propagate_fake_shapes(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor],
-                           grow_batch: int | None = None) -> None:
-    """node.meta["val"] for every node, on fake (or meta) tensors: no memory, no compute. ``grow_batch``: the batch,
-    whose tensors get one row more."""
-    meta_params = next((p.device.type == "meta" for p in gm.parameters()), False)
-    # a shape env gives a size that depends on values (x[mask], nonzero) a symbol, u0, where a plain fake mode raises
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-    inputs = [t.to("meta") if meta_params else t for t in flat_inputs]  # propagate makes them fake
-    if grow_batch is not None:  # empty on meta, or fake under the mode: no memory either way
-        with mode if not meta_params else contextlib.nullcontext():
-            inputs = [torch.empty((grow_batch + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                      if carries_batch(t, grow_batch) else t for t in inputs]
-    if all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers(), *inputs]):
-        with contextlib.suppress(Exception):  # an op with a fake kernel but no meta kernel falls back
-            _MetaProp(gm).run(*inputs)
-            return
-    for n in gm.graph.nodes:
-        n.meta.pop("unbacked_bindings", None)  # export's symbols (u0): this mode names its own
-    with scalar_buffers_kept(gm):
-        _FakeProp(gm, mode).propagate(*inputs)
-
-
-@contextlib.contextmanager
-def fake_errors_unlogged() -> Iterator[None]:
-    """FakeTensorMode logs each kernel that raises (torch/_subclasses/fake_tensor.py, "failed while attempting to run
-    meta") before the error reaches autopipe, which names it or, where nothing is learnt, drops it: the log would only
-    alarm."""
-    logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), lambda record: record.levelno < logging.ERROR
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
-
-
 def _shaped(traced: TracedModel, flat_inputs: Sequence[torch.Tensor]) -> None:
     """Shapes on every node, and a getitem per tensor of an output tuple (which needs the shapes)."""
-    _propagate_fake_shapes(traced.graph_module, flat_inputs)
+    propagate_fake_shapes(traced.graph_module, flat_inputs)
     _unpack_sequence_outputs(traced)
     _attribute_outputs_through_an_op(traced.graph_module)
 
@@ -387,7 +260,7 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
     """Each node's value when the graph runs on fake inputs one row larger."""
     at_batch = {n: n.meta.get("val") for n in gm.graph.nodes}
     try:
-        _propagate_fake_shapes(gm, flat_inputs, grow_batch=batch)
+        propagate_fake_shapes(gm, flat_inputs, grow_batch=batch)
         return {n: n.meta.get("val") for n in gm.graph.nodes}
     finally:
         for n, val in at_batch.items():

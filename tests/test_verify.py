@@ -11,7 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.verify import GRAD_FLOOR, STRUCTURE_TOLERANCE, Row, VerifyReport, default_loss, micro_batch_sizes
+from autopipe.runtime.microbatch import micro_batch_sizes
+from autopipe.verify import STRUCTURE_TOLERANCE, default_loss
+from autopipe.verify_report import GRAD_FLOOR, Row, VerifyReport
 from zoo import build, random_inputs
 
 
@@ -220,7 +222,8 @@ def test_dropout_that_only_the_gradients_show_is_found_and_compared_in_eval_mode
 
 
 def test_a_difference_in_the_last_bit_fails_the_replay():
-    from autopipe.verify import Check, _compare_steps, _Step
+    from autopipe.verify import _compare_steps, _Step
+    from autopipe.verify_report import Check
     w = torch.tensor([1.0, 2.0, 3.0])
     ref = _Step(outputs=[("output", w)], loss=w.sum(), grads={"w": w}, buffers={})
     off = _Step(outputs=[("output", w)], loss=w.sum(), grads={"w": torch.nextafter(w, w + 1)}, buffers={})

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopipe import random_ops
 
 from ..cost import CostedGraph
-from ..trace import fake_errors_unlogged
+from ..fake_shapes import fake_errors_unlogged
 
 
 @dataclass
@@ -91,7 +91,7 @@ def saved_tensors(costed: CostedGraph) -> SavedTensors:
 
 
 def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs, resident_fake: Callable) -> Any:
-    """One node on fake tensors, random ops as codegen emits them (passes/codegen.py ``_route``)."""
+    """One node on fake tensors, random ops as codegen emits them (passes/random_routes.py ``route``)."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         fn, constants_of = random_ops.MODULES.get(type(module), (None, None))

@@ -193,7 +193,7 @@ def _selecting_mask(n: fx.Node) -> fx.Node | None:
 
 def _from_inputs_alone(gm: fx.GraphModule, n: fx.Node) -> bool:
     """``n`` is computed from the graph's inputs and constants by functions alone: no parameter, module or random op,
-    so it can be computed before the step (passes/codegen.py's ``count_program``)."""
+    so it can be computed before the step (passes/target_counts.py's ``count_program``)."""
     seen, todo = set(), [n]
     while todo:
         m = todo.pop()
