@@ -7,13 +7,13 @@ from typing import Sequence
 
 import torch
 
+from autopipe.cuda_graphs_option import capture_report
 from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.ir.checkpoint import CHECKPOINT_MODES
 from autopipe.ir.plan import Plan
 from autopipe.ir.schedule import NAMES as SCHEDULES, device_of_stage, is_v_layout
 from autopipe.options import Options
 from autopipe.pass_chain import on_model_device, trace_analyse_and_cost
-from autopipe.passes.graph_capture import graph_capture
 from autopipe.passes.memory_model import choose_configuration
 from autopipe.passes.partition import partition
 from autopipe.progress import Progress
@@ -35,7 +35,7 @@ def choose(model, args, kwargs, options: Options, devices: Sequence[torch.device
             planned = partition(costed, n_stages, devices=[devices[s % K] for s in range(n_stages)], chunks=1,
                                 balance=options.balance, tolerance=options.tolerance, notes=traced.notes,
                                 analysis=analysis)
-            planned.cuda_graphs = graph_capture(traced, planned) if options.cuda_graphs else None
+            planned.cuda_graphs = capture_report(traced, planned, options)
             return planned, costed
 
         with progress.run("choose") as report:

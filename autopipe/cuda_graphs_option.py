@@ -1,14 +1,30 @@
-"""``cuda_graphs=True`` at compile time: what it refuses before anything is traced or moved, and the plan it refuses
-once the memory model has priced its graph slots (runtime/cuda_graphs.py runs it)."""
+"""``cuda_graphs=True`` at compile time, in one place: the option's refusals (``check_option`` when Options are made,
+``check_graphs`` before compile traces or moves anything), and its one hook in the chain (``graphs_planned``): which
+stages replay as graphs (passes/graph_capture.py) before the memory model prices their slots, and the plan refused
+after where they pass ``memory_cap``. The runtime replays what the plan's report captures (runtime/cuda_graphs.py)."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from autopipe.devices import resolve_devices
+from autopipe.ir.capture import CaptureReport
 from autopipe.ir.plan import Plan, human_bytes
+from autopipe.ir.schedule import SPLIT
+from autopipe.passes.graph_capture import graph_capture
 from autopipe.runtime.distributed import running_under_torchrun
+
+
+def check_option(cuda_graphs: Any, schedule: str) -> None:
+    """The option itself, for every entry point: a bool, and a schedule whose backward the capture can replay."""
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and schedule in SPLIT:
+        raise ValueError(f"cuda_graphs=True with schedule={schedule!r} is not supported yet: its backward is "
+                         f"split in two (input gradients, then parameter gradients), which the captured backward "
+                         f"does not do; use 'gpipe', '1f1b' or 'interleaved', or cuda_graphs=False")
 
 
 def check_graphs(devices: Any, **refused: bool) -> None:
@@ -32,7 +48,7 @@ def check_graphs(devices: Any, **refused: bool) -> None:
                          f"anywhere)")
 
 
-def graphs_within_cap(plan: Plan, memory_cap: float) -> None:
+def _within_cap(plan: Plan, memory_cap: float) -> None:
     """cuda_graphs=True keeps each micro-batch a captured stage holds in static memory of its own: refused before any
     runs where the predicted peak with those graphs passes ``memory_cap``."""
     per_device = plan.memory.per_device()
@@ -44,3 +60,19 @@ def graphs_within_cap(plan: Plan, memory_cap: float) -> None:
                          f"{human_bytes(memory_cap)}. Use checkpoint='always' or 'except_last' (fewer slots), fewer "
                          f"chunks, a larger memory_cap, or cuda_graphs=False (print(autopipe.plan(..., "
                          f"cuda_graphs=True)) shows each stage's slots)")
+
+
+def capture_report(traced: Any, plan: Plan, options: Any) -> CaptureReport | None:
+    """With ``options.cuda_graphs``, which stages of ``plan`` can replay as CUDA graphs, and why not; else None."""
+    return graph_capture(traced, plan) if options.cuda_graphs else None
+
+
+@contextlib.contextmanager
+def graphs_planned(traced: Any, plan: Plan, options: Any) -> Iterator[None]:
+    """Around the memory model's prediction in the chain: with ``options.cuda_graphs``, the capture report first (the
+    prediction prices each captured stage's slots), the refusal over ``options.memory_cap`` after."""
+    if options.cuda_graphs:
+        plan.cuda_graphs = graph_capture(traced, plan)
+    yield
+    if options.cuda_graphs and options.memory_cap is not None:
+        _within_cap(plan, options.memory_cap)

@@ -7,7 +7,6 @@ from typing import Any, Sequence
 
 import torch
 
-from autopipe.options import positive_int
 from autopipe.runtime.streams import StageStream, as_stage_stream
 
 
@@ -64,7 +63,7 @@ def device_streams(devices: Any) -> tuple[StageStream | None, ...]:
 
 def plan_devices(devices: int | Sequence[str | torch.device] | None) -> list[torch.device]:
     """For planning only: an int names that many stages without checking they exist."""
-    if not positive_int(devices):
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:  # a list, or what resolve refuses
         return resolve_devices(devices)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [torch.device("cuda", i) if i < count else torch.device("cpu") for i in range(devices)]

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 import torch
 
+from autopipe.cuda_graphs_option import check_option
 from autopipe.ir.checkpoint import CHECKPOINT_MODES
-from autopipe.ir.schedule import SPLIT, Schedule, device_of_stage, stages_per_device
+from autopipe.ir.schedule import Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.streams import StageStream
 
 BALANCE_MODES = ("flops", "params", "time")
@@ -48,12 +49,7 @@ class Options:
         if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.schedule in SPLIT:
-            raise ValueError(f"cuda_graphs=True with schedule={self.schedule!r} is not supported yet: its backward is "
-                             f"split in two (input gradients, then parameter gradients), which the captured backward "
-                             f"does not do; use 'gpipe', '1f1b' or 'interleaved', or cuda_graphs=False")
+        check_option(self.cuda_graphs, self.schedule)
         object.__setattr__(self, "virtual_stages", stages_per_device(self.schedule, self.virtual_stages))
         object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))

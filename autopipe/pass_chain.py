@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from autopipe.cuda_graphs_option import graphs_within_cap
+from autopipe.cuda_graphs_option import graphs_planned
 from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.ir.plan import Plan
 from autopipe.options import Options
@@ -17,14 +17,12 @@ from autopipe.passes.batch_mixing import refuse_batch_mixing_outputs
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
 from autopipe.passes.diagnostics import failures_named, listed
-from autopipe.passes.graph_capture import graph_capture
 from autopipe.passes.memory_model import predict_memory
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
 from autopipe.passes.partition import partition
 from autopipe.passes.target_counts import count_program
 from autopipe.passes.trace import BatchSpecialised, trace
 from autopipe.progress import Progress
-from autopipe.runtime.cuda_graphs import use_cuda_graphs
 from autopipe.runtime.microbatch import micro_batch_sizes
 from autopipe.runtime.step import Compiled, Program
 
@@ -66,12 +64,9 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
-            if options.cuda_graphs:  # which stages replay as graphs: the memory model prices their slots
-                plan.cuda_graphs = graph_capture(traced, plan)
-            plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
-                                         options.virtual_stages, options.optimizer)
-            if options.cuda_graphs and options.memory_cap is not None:
-                graphs_within_cap(plan, options.memory_cap)
+            with graphs_planned(traced, plan, options):  # cuda_graphs=True: the memory model prices their slots
+                plan.memory = predict_memory(costed, plan, options.schedule, options.checkpoint, options.chunks,
+                                             options.virtual_stages, options.optimizer)
             report["detail"] = f"{plan.n_stages} stages, imbalance {plan.imbalance:.3f}"
         if not generate:
             return Program(traced=traced, plan=plan, stages=[])
@@ -82,10 +77,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             report["detail"] = f"{len(stages)} stage modules"
         if after_codegen is not None:
             after_codegen(stages)
-        compiled = Program(traced=traced, plan=plan, stages=stages, counts=count_program(traced.graph_module, plan))
-        if options.cuda_graphs:
-            use_cuda_graphs(compiled)
-        return compiled
+        return Program(traced=traced, plan=plan, stages=stages, counts=count_program(traced.graph_module, plan))
 
     # Planning under the caller's inference_mode would make the stages' constants inference tensors.
     with preserved_global_state(), torch.inference_mode(False), autocast_cache_off():

@@ -1,6 +1,6 @@
 """The in-process pipeline as an nn.Module: ``pipe(x)`` / ``loss.backward()`` or ``pipe.step(...)``, stages on
 worker threads. It compiles per input signature, checks a call's inputs, caches schedules and anchors, and hands
-each mini-batch to step.py's _Run."""
+each mini-batch to step.py's Run."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ from autopipe.ir.schedule import Schedule, Task, stages_per_device
 from . import microbatch
 from .clipping import clip_grad_norm_
 from .memory import MemoryReport
-from .step import Anchor, Compiled, _PipelineFunction, _Run, model_loss
+from .step import Anchor, Compiled, Run, model_loss
 from .threads import Worker
 from .timeline import Timeline
 
@@ -178,11 +178,11 @@ class Pipeline(torch.nn.Module):
             raise RuntimeError(f"schedule={self.schedule_name!r} interleaves forward and backward, so it needs the "
                                f"loss per micro-batch: train with pipe.step(x, target=y, loss_fn=f) (pipe(x) works "
                                f"under torch.no_grad() or for GPipe)")
-        run = _Run(self, compiled, flat, sizes, training)
+        run = Run(self, compiled, flat, sizes, training)
         if not training:
             return compiled.traced.rebuild_output(run.forward())
         run.anchors = self.anchors(run.params)
-        outputs = _PipelineFunction.apply(run, *flat, *[a.tensor for a in run.anchors])
+        outputs = run.through_autograd(flat)
         return compiled.traced.rebuild_output(list(outputs))
 
     def step(self, *args, target: Any = None, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
@@ -193,7 +193,7 @@ class Pipeline(torch.nn.Module):
         ``loss_fn(model(x), target)`` for a mean-reduced loss. Without ``loss_fn`` the model's
         output must be (or hold, as ``.loss``) a scalar loss. Gradients accumulate into ``.grad``."""
         compiled, flat, sizes = self._prepare(args, kwargs)
-        run = _Run(self, compiled, flat, sizes, training=True)
+        run = Run(self, compiled, flat, sizes, training=True)
         if loss_fn is None:
             loss_fn = model_loss
         targets = microbatch.split_target(target, run.sizes)

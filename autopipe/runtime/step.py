@@ -13,6 +13,7 @@ from autopipe.ir.batch import carries_batch
 from autopipe.ir.schedule import Schedule, Task
 
 from . import microbatch
+from .cuda_graphs import use_cuda_graphs
 from .executor import run_tasks
 from .loss import Loss, scaled
 from .task import StageRunner, StepState, accumulate_grads, sum_grads
@@ -34,6 +35,8 @@ class Program:
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
         self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
+        if self.plan.cuda_graphs is not None:  # cuda_graphs=True: the stages its capture report lets replay as graphs
+            use_cuda_graphs(self)
 
     def count_targets(self, flat: list) -> dict[str, float]:
         """Each output merged by count -> this micro-batch's count of its targets (one host sync)."""
@@ -86,7 +89,7 @@ class _PipelineFunction(torch.autograd.Function):
     tensors and one anchor per device (_Anchor), which hands the parameters' gradients on."""
 
     @staticmethod
-    def forward(ctx, run: "_Run", *inputs_and_anchors: torch.Tensor):
+    def forward(ctx, run: "Run", *inputs_and_anchors: torch.Tensor):
         with torch.enable_grad():  # once here, not in every task (a Function's forward runs without grad)
             outputs = run.forward()
         ctx.run = run
@@ -157,7 +160,7 @@ class Anchor:
         return self.zero
 
 
-class _Run:
+class Run:
     """One mini-batch through the pipeline."""
 
     def __init__(self, pipe: torch.nn.Module, compiled: Compiled, flat: list[torch.Tensor], sizes: list[int],
@@ -218,6 +221,11 @@ class _Run:
         self.peaks_before = {} if self.state.memory is None else \
             {s.device: torch.cuda.max_memory_allocated(s.device)
              for s in self.compiled.stages if s.device.type == "cuda"}
+
+    def through_autograd(self, flat: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``forward`` as one autograd node (_PipelineFunction) over the call's tensors and the anchors: its backward
+        drives the stages' backward (``pipe(x)`` in training)."""
+        return _PipelineFunction.apply(self, *flat, *[a.tensor for a in self.anchors])
 
     def forward(self) -> list[torch.Tensor]:
         self._note_peaks()
