@@ -1,6 +1,6 @@
 """The layout docs/architecture.md promises: no import cycle among the modules of autopipe/ and passes/ (every import
-counts, also one inside a function or under TYPE_CHECKING), layers that point one way, no function over 100 lines, and
-every module named in the reading order."""
+counts, also one inside a function or under TYPE_CHECKING), layers that point one way, no private name imported across
+modules, no module over 400 lines nor function over 100, and every module named in the reading order."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"autopipe": ROOT / "autopipe", "autopipe.passes": ROOT / "passes"}  # pyproject's package-dir
 LONGEST_FUNCTION = 100
+LONGEST_MODULE = 400      # lines
 # What each layer may import of autopipe besides itself. autopipe.ir: what the passes hand the runtime and both read;
 # random_ops (the ops stage code calls, under a name the generated code spells out) and global_state: leaf libraries.
 LEAVES = ("autopipe.random_ops", "autopipe.global_state")
@@ -119,3 +120,40 @@ def test_architecture_names_every_module():
     text = (ROOT / "docs" / "architecture.md").read_text()
     unnamed = [str(path.relative_to(ROOT)) for path in modules().values() if f"`{path.relative_to(ROOT)}`" not in text]
     assert unnamed == []
+
+
+def private_names_used(name: str, path: Path, known: set[str]) -> list[str]:
+    """Another module's private names ``name`` reaches: ``from m import _x`` and ``m._x`` (m bound by an import) where m
+    is one of autopipe's modules. ``_x`` private: one leading underscore, not a dunder."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    private = lambda attr: attr.startswith("_") and not attr.startswith("__")  # noqa: E731
+    bound, found = {}, []  # local name -> the module it is
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bound.update({alias.asname: alias.name for alias in node.names if alias.asname and alias.name in known})
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif base in known and private(alias.name):
+                    found.append(f"{name}:{node.lineno} imports {base}.{alias.name}")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                and private(node.attr) and bound[node.value.id] != name:
+            found.append(f"{name}:{node.lineno} reads {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    known = modules()
+    assert [f for name, path in sorted(known.items()) for f in private_names_used(name, path, set(known))] == []
+
+
+def test_no_module_over_400_lines():
+    long = {str(path.relative_to(ROOT)): n for path in modules().values()
+            if (n := len(path.read_text().splitlines())) > LONGEST_MODULE}
+    assert long == {}
+

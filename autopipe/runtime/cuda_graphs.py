@@ -37,7 +37,10 @@ import torch
 
 from autopipe.ir.capture import CaptureBlocker, CaptureReport, StageCapture, graph_slots
 
-from .task import StageRunner, StepState, _Saved, _add_param_grads, _moved, _swapped, differentiable, task_seed
+from .gradients import add_param_grads, differentiable
+from .step_state import StepState, task_seed
+from .task import Saved, StageRunner, swapped
+from .transfers import moved
 
 WARMUP_ITERATIONS = 2  # make_graphed_callables' default is 3; the eager step before the capture is one more
 
@@ -136,7 +139,7 @@ class GraphedStageRunner(StageRunner):
             return
         slot = self._free(saved.key)
         if slot is None:  # every slot busy: the eager recompute, from the same inputs and seed
-            mine.saved[i] = _Saved([self._leaf(x, g, step) for x, g in zip(saved.inputs, saved.key[1])], None, None)
+            mine.saved[i] = Saved([self._leaf(x, g, step) for x, g in zip(saved.inputs, saved.key[1])], None, None)
             return super().rematerialise(step, i)
         begun = step.timeline.begin(self.stage.device)
         slot.replay_forward(self, step, i, saved.inputs)
@@ -156,12 +159,12 @@ class GraphedStageRunner(StageRunner):
             return [None] * len(slot.inputs)
         begun = step.timeline.begin(self.stage.device)
         grads = [g if g is None or g.device == self.stage.device else
-                 _moved(g, self.stage.device, self.copy_streams, step.ambient.streams) for g in output_grads]
+                 moved(g, self.stage.device, self.copy_streams, step.ambient.streams) for g in output_grads]
         input_grads, param_grads = slot.replay_backward(grads, first=not mine.param_grads)
         step.timeline.end(begun, self.index, i, "backward", self.stage.device)
         slot.owner = None
         if param_grads:
-            _add_param_grads(mine, param_grads)
+            add_param_grads(mine, param_grads)
         return input_grads
 
     # -- capture --------------------------------------------------------------------
@@ -285,5 +288,5 @@ def _capturing(runner: GraphedStageRunner, step: StepState):
         if enabled:
             stack.enter_context(torch.autocast("cuda", dtype=dtype, cache_enabled=False))
         if runner._replica_slots:
-            stack.enter_context(_swapped(runner._replica_slots))
+            stack.enter_context(swapped(runner._replica_slots))
         yield

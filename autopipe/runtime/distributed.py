@@ -28,7 +28,9 @@ from .p2p import P2PTransport, PipelineError
 from .pipeline import check_same_kinds, signature_key
 from .sharding import ShardedStages, refuse_fsdp_on_top, sharded_by_the_user, sum_tied
 from .step import Program, model_loss
-from .task import StageRunner, StepState, accumulate_grads
+from .gradients import accumulate_grads
+from .step_state import StepState
+from .task import StageRunner
 from .wire import WireSpec
 
 __all__ = ["DistributedPipeline", "PipelineError", "running_under_torchrun"]

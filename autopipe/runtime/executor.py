@@ -10,7 +10,8 @@ import torch
 
 from autopipe.ir.schedule import Task
 
-from .task import StageRunner, StepState
+from .step_state import StepState
+from .task import StageRunner
 
 if TYPE_CHECKING:
     from .loss import Loss

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from autopipe.ir.schedule import Schedule, Task
 
 from .executor import Transport, run_tasks
-from .task import sum_grads
+from .gradients import sum_grads
 from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses

@@ -15,8 +15,10 @@ from autopipe.ir.schedule import Schedule, Task
 from . import microbatch
 from .cuda_graphs import use_cuda_graphs
 from .executor import run_tasks
+from .gradients import accumulate_grads, sum_grads
 from .loss import Loss, scaled
-from .task import StageRunner, StepState, accumulate_grads, sum_grads
+from .step_state import StepState
+from .task import StageRunner
 from .threads import Mailbox, run_on_workers
 
 

@@ -7,167 +7,25 @@ same kernels on the same inputs with the same generator seed: bit for bit. Param
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from autopipe.ir.checkpoint import checkpoints
-from autopipe.ir.schedule import Schedule
-
-from .batchnorm import DeferredBatchNorm, DeferredStatistics
-from .memory import MemoryReport, SavedBytes, StageMemory, tensor_bytes
+from .batchnorm import DeferredBatchNorm
+from .gradients import add_param_grads, differentiable
+from .memory import SavedBytes, tensor_bytes
 from .split_backward import WeightWork, backward_input, engine_grad
-from .streams import detached, wait_for_producer
-from .timeline import Timeline
-
-def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
-    """A seed per (step, stage, micro-batch): SplitMix64's finaliser (Steele et al. 2014) over a Weyl sequence, a few
-    integer ops where a blake2b digest cost a step ~25 us."""
-    z = (step_seed + 0x9E3779B97F4A7C15 * ((stage << 32) + micro_batch + 1)) & _U64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-    return (z ^ (z >> 31)) >> 1  # 63 bits: a non-negative manual_seed
-
-
-_U64 = (1 << 64) - 1
-
-
-def sum_grads(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The sum of the parts that are not None, in the order given (bitwise reproducible), on the first one's
-    device; None if none. Every gradient a value or parameter gets from several places is summed by this."""
-    present = [g for g in parts if g is not None]
-    return functools.reduce(lambda a, b: a + b.to(a.device), present) if present else None
-
-
-def differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
-class _Deliver(torch.autograd.Function):
-    """A step's gradients handed to the autograd engine, as pipe(x)'s Function hands them: each parameter's hooks
-    run once, on its whole gradient, then AccumulateGrad and the post-accumulate hooks, as in the plain model."""
-
-    @staticmethod
-    def forward(ctx, grads: list, *params: torch.Tensor):
-        ctx.grads = grads
-        return torch.zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        given, ctx.grads = ctx.grads, None
-        handed = (None, *given)
-        given.clear()  # the engine's references alone: AccumulateGrad makes each .grad without a copy
-        return handed
-
-
-def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
-    """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad`` as ``loss.backward()`` would: through
-    the engine, so each hook runs once on the whole gradient, those on a parameter's AccumulateGrad node too (DDP's
-    reducer registers there; Python cannot see them). A CUDA parameter without a hook Python sees is added to directly,
-    the path that has run on a GPU. ``pairs`` is emptied: AccumulateGrad copies a gradient anything else still holds
-    (accumulate_grad.h), ~20 ms a step for transformer_like's 12M parameters a rank on the CPU."""
-    taken = [(p, g) for p, g in pairs if g is not None]
-    pairs.clear()
-    if any(p.device.type == "cpu" or p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in taken):
-        params, grads = [p for p, _ in taken], [g for _, g in taken]
-        taken.clear()
-        with torch.enable_grad():
-            _Deliver.apply(grads, *params).backward()
-        return
-    with torch.no_grad():
-        for p, g in taken:
-            p.grad = g if p.grad is None else p.grad.add_(g)
-
-
-@dataclass
-class Ambient:
-    """The caller's thread-local state (autocast, inference mode, saved-tensor hooks), re-entered in every task.
-    A profiler or a user's TorchFunctionMode/TorchDispatchMode sees only its own thread: then the step runs inline."""
-
-    autocast: dict[str, tuple[bool, torch.dtype]]
-    autocast_cache: bool
-    inference: bool
-    saved_tensors_hooks: tuple[Callable, Callable] | None
-    inline_reason: str | None
-    streams: dict  # the caller's current stream of each of the pipeline's GPUs: the stages compute on them
-
-    @classmethod
-    def capture(cls, devices=()) -> "Ambient":
-        """Each query is a C call: a step reads them all, with its caches cold from the last step's kernels."""
-        reason = None
-        if torch._C._autograd._profiler_enabled():
-            reason = "a profiler is active"
-        elif torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-            reason = "a TorchFunctionMode/TorchDispatchMode is active"
-        autocast = {d: (True, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
-            if torch._C._is_any_autocast_enabled() else {}
-        return cls(autocast=autocast, autocast_cache=torch.is_autocast_cache_enabled(),
-                   inference=torch.is_inference_mode_enabled(),
-                   saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
-                   inline_reason=reason, streams={d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"})
-
-    @property
-    def plain(self) -> bool:
-        """Nothing to re-enter around a task."""
-        return not (self.autocast or self.saved_tensors_hooks)
-
-    def entered(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """The caller's state re-entered around what a task runs on ``device`` (its forward, its backward, the loss of
-        ``pipe.step`` on the last stage: the plain model's loss runs in the caller's autocast too)."""
-        if self.plain:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        self.enter(stack, device)
-        return stack
-
-    def enter(self, stack: contextlib.ExitStack, device: torch.device) -> None:
-        enabled, dtype = self.autocast.get(device.type, (False, None))
-        if enabled:
-            stack.enter_context(torch.autocast(device.type, dtype=dtype, cache_enabled=self.autocast_cache))
-        if self.saved_tensors_hooks is not None:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
-
-
-@dataclass
-class StepState:
-    """What every task of one step shares."""
-
-    training: bool                  # a backward follows: build autograd graphs
-    random: bool                    # the model is in train mode: random ops draw from task generators
-    checkpoint: str
-    chunks: int
-    seed: int
-    ambient: Ambient
-    timeline: Timeline
-    memory: MemoryReport | None = None        # saved-bytes accounting, only when asked (it hooks every save)
-    deferred: DeferredStatistics | None = None
-    stages: dict[int, "StageStep"] = field(default_factory=dict)  # by id of the StageRunner
-    split_backward: bool = False    # B computes input gradients and W the parameters' (the zero-bubble schedules)
-    full_backwards: frozenset = frozenset()  # (stage, micro-batch) whose B does its W's work too (Schedule's)
-
-    @classmethod
-    def start(cls, *, training: bool, random: bool, checkpoint: str, schedule: Schedule,
-              deferred_model: torch.nn.Module | None, track_memory: bool, devices=()) -> "StepState":
-        seed = int(torch.randint(0, 2**62, ()).item()) if random else 0  # one draw from the global RNG per step
-        return cls(training=training, random=random, checkpoint=checkpoint if training else "never",
-                   chunks=schedule.chunks, seed=seed, ambient=Ambient.capture(devices), timeline=Timeline(schedule),
-                   memory=MemoryReport([StageMemory() for _ in range(schedule.n_stages)],
-                                       checkpoint) if track_memory else None,
-                   deferred=DeferredStatistics(deferred_model) if deferred_model is not None and training else None,
-                   split_backward=schedule.splits_backward, full_backwards=schedule.full_backwards)
-
-    def recomputes(self, micro_batch: int) -> bool:
-        return self.training and checkpoints(self.checkpoint, micro_batch, self.chunks)
+from .step_state import StepState, task_seed
+from .streams import detached
+from .transfers import moved
 
 
 @contextlib.contextmanager
-def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
+def swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
     """Module tables (``_parameters``, ``_buffers``) pointing at stand-ins for one task: ``(table, name, original,
     stand_in)``. The user's modules hold their own tensors again afterwards."""
     for table, name, _, stand_in in slots:
@@ -179,30 +37,8 @@ def _swapped(slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]]):
             table[name] = original
 
 
-def _moved(x: torch.Tensor, device: torch.device, copy_streams: dict, streams: dict) -> torch.Tensor:
-    """``x`` on ``device``: from the host through pinned memory; between GPUs on copy streams, so a transfer
-    waits only for its producer (the event a stage stream tagged it with, else the caller's stream in ``streams``)
-    and overlaps the consumer's compute on the current stream (torchgpipe's copy.py: wait, copy, record_stream)."""
-    if x.device == device or device.type != "cuda":
-        return x if x.device == device else x.to(device)
-    if x.device.type == "cpu":
-        return x.pin_memory().to(device, non_blocking=True)
-    for d in (x.device, device):
-        if d not in copy_streams:
-            copy_streams[d] = torch.cuda.Stream(d)
-    source, target = copy_streams[x.device], copy_streams[device]
-    wait_for_producer(source, x, streams.get(x.device) or torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(source), torch.cuda.stream(target):
-        y = x.to(device, non_blocking=True)
-    compute = torch.cuda.current_stream(device)  # the consumer's: its own stream, or the caller's (on_device)
-    compute.wait_stream(target)
-    x.record_stream(source)
-    y.record_stream(compute)
-    return y
-
-
 @dataclass
-class _Saved:
+class Saved:
     inputs: list
     outputs: list | None   # None: dropped, to be recomputed
     state: list | None = None  # the written buffers as this forward found them, for the recompute
@@ -216,7 +52,7 @@ class StageStep:
     trainable: list[torch.nn.Parameter]   # the parameters with requires_grad as the step started
     wrt_params: list[torch.Tensor]  # what autograd differentiates for them: each, its replica or a hook-free alias
     alias_slots: list
-    saved: dict[int, _Saved] = field(default_factory=dict)
+    saved: dict[int, Saved] = field(default_factory=dict)
     weights: dict[int, Any] = field(default_factory=dict)  # B's result for W: a WeightWork, the gradients, or None
     param_grads: list[torch.Tensor | None] = field(default_factory=list)  # per trainable parameter, once a backward ran
     owned: list[bool] = field(default_factory=list)  # param_grads[k] is a sum made here, safe to add to in place
@@ -307,7 +143,7 @@ class StageRunner:
         else:
             outputs = self._run(step, i, inputs, first=True)
         if step.training:
-            step.stages[id(self)].saved[i] = _Saved(inputs, outputs if keep else None, state)
+            step.stages[id(self)].saved[i] = Saved(inputs, outputs if keep else None, state)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
 
     def rematerialise(self, step: StepState, i: int) -> None:
@@ -329,7 +165,7 @@ class StageRunner:
         values where they were made, or received: the host for gloo)."""
         if not isinstance(x, torch.Tensor):
             return x
-        x = _moved(detached(x), self.stage.device, self.copy_streams, step.ambient.streams)
+        x = moved(detached(x), self.stage.device, self.copy_streams, step.ambient.streams)
         return x.requires_grad_() if needs_grad and differentiable(x) else x
 
     def on_device(self, step: StepState) -> contextlib.AbstractContextManager:
@@ -347,7 +183,7 @@ class StageRunner:
     def _own_state(self, copies: list):
         """The written buffers swapped for ``copies`` while a task runs: its graph saves its own copy, which no
         later micro-batch writes, and a recompute runs on a copy of the value its forward started from."""
-        return _swapped([(table, name, self.state[k], copies[k]) for table, name, k in self._state_slots]) if copies \
+        return swapped([(table, name, self.state[k], copies[k]) for table, name, k in self._state_slots]) if copies \
             else contextlib.nullcontext()
 
     def _run(self, step: StepState, i: int, inputs: list, first: bool) -> list:
@@ -383,7 +219,7 @@ class StageRunner:
             stack.enter_context(torch.inference_mode())
         step.ambient.enter(stack, stage.device)
         if self._replica_slots or step.stages[id(self)].alias_slots:
-            stack.enter_context(_swapped(self._replica_slots + step.stages[id(self)].alias_slots))
+            stack.enter_context(swapped(self._replica_slots + step.stages[id(self)].alias_slots))
         if step.deferred is not None and stage.running_buffers:
             stack.enter_context(DeferredBatchNorm(step.deferred, accumulate=first))
         if step.memory is not None and step.training:
@@ -430,15 +266,15 @@ class StageRunner:
                 work = work.run()
             step.timeline.end(begun, self.index, i, "weight", self.stage.device)
         if work is not None:
-            _add_param_grads(mine, work)
+            add_param_grads(mine, work)
 
-    def _roots(self, step: StepState, saved: _Saved, output_grads: list) -> tuple[list, list]:
+    def _roots(self, step: StepState, saved: Saved, output_grads: list) -> tuple[list, list]:
         """The outputs that get a gradient, and their gradients on the stage's device."""
         roots, grads = [], []
         for out, g in zip(saved.outputs, output_grads):
             if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 roots.append(out)
-                grads.append(g if g.device == out.device else _moved(g, out.device, self.copy_streams,
+                grads.append(g if g.device == out.device else moved(g, out.device, self.copy_streams,
                                                                      step.ambient.streams))
         return roots, grads
 
@@ -453,38 +289,3 @@ def _grad(roots: list, grads: list, wrt: list) -> tuple:
     """``torch.autograd.grad(roots, wrt, grads, allow_unused=True)`` without its per-input Python checks (~0.5 us a
     parameter): the engine call it ends in (torch/autograd/__init__.py, ``_engine_run_backward``)."""
     return engine_grad(roots, grads, wrt, keep_graph=False)
-
-
-def _add_param_grads(mine: StageStep, grads: tuple) -> None:
-    if not mine.param_grads:  # the step's first backward: its gradients as they are
-        mine.param_grads, mine.owned = list(grads), [False] * len(grads)
-        return
-    for k, g in enumerate(grads):
-        if g is None:
-            continue
-        if mine.param_grads[k] is None:
-            mine.param_grads[k] = g
-        elif mine.owned[k] or _held_only_by(mine.param_grads, k):
-            mine.param_grads[k].add_(g)
-            mine.owned[k] = True
-        else:
-            mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
-
-
-def _held_only_by(grads: list, k: int) -> bool:
-    """Whether nothing but ``grads`` holds ``grads[k]`` or its memory: a gradient the engine made for this step alone,
-    which the sums may then add to in place, as AccumulateGrad steals a gradient no one else holds
-    (torch/csrc/autograd/functions/accumulate_grad.h). A gradient the engine passed through (an output's own gradient,
-    an input's, a tensor a custom Function returned) is held elsewhere too and is never written. Measured on the CPU:
-    the sum's fresh allocation costs a page fault per 4 KiB, ~4% of a transformer's step over 2 ranks. Not on a GPU,
-    where a copy stream may still read a tensor Python let go of (record_stream), and allocation is cached."""
-    g = grads[k]
-    if g.device.type != "cpu" or sys.getrefcount(g) != 3 or g._use_count() != 1:  # 3: grads, g, the argument
-        return False
-    if not g.is_contiguous():  # an expanded gradient (stride 0) has elements an in-place sum would write twice
-        return False
-    holders = torch._C._storage_Use_Count(g.untyped_storage()._cdata) - 1  # less the storage object just made
-    base = g._base  # a Linear's weight gradient is a transposed view of the product the engine made
-    if base is None:
-        return holders == 1
-    return holders == 2 and base._base is None and base._use_count() == 2 and sys.getrefcount(base) == 3

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .executor import StageFailure, Transport
+from .gradients import differentiable, sum_grads
 from .streams import arrived, mark_ready
-from .task import differentiable, sum_grads
 
 OUTPUT = 1 << 30   # the model's output as a gradient contributor: after every stage
 
