@@ -56,10 +56,9 @@ def _within_cap(plan: Plan, memory_cap: float) -> None:
     if per_device[device] > memory_cap:
         graphs = sum(p.graph_bytes for p in plan.memory if p.device == device)
         raise ValueError(f"cuda_graphs=True: device {device} is predicted to hold {human_bytes(per_device[device])} "
-                         f"with CUDA graphs ({human_bytes(graphs)} of them in graph slots), over memory_cap="
-                         f"{human_bytes(memory_cap)}. Use checkpoint='always' or 'except_last' (fewer slots), fewer "
-                         f"chunks, a larger memory_cap, or cuda_graphs=False (print(autopipe.plan(..., "
-                         f"cuda_graphs=True)) shows each stage's slots)")
+                         f"({human_bytes(graphs)} in graph slots), over memory_cap={human_bytes(memory_cap)}. Use "
+                         f"checkpoint='always' (fewer slots), fewer chunks, a larger memory_cap or cuda_graphs=False; "
+                         f"print(autopipe.plan(..., cuda_graphs=True)) shows the slots (docs/gpus.md)")
 
 
 def capture_report(traced: Any, plan: Plan, options: Any) -> CaptureReport | None:

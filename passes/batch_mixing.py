@@ -75,10 +75,9 @@ def refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Itera
     for path, _, pairing in whole or ():
         if pairing:
             raise ValueError(f"the model's {path} is computed from {pairing}, whose result holds the batch in two "
-                             f"dims: it pairs the samples (contrastive logits u @ v.T, in-batch negatives); a "
-                             f"micro-batch holds only its own samples, so no merge of the micro-batches' values is the "
-                             f"plain model's; compute it outside the model from per-sample outputs, or run with "
-                             f"chunks=1")
+                             f"dims: it pairs the samples (u @ v.T), and a micro-batch holds only its own. Compute it "
+                             f"outside the model from per-sample outputs, or run with chunks=1; see "
+                             f"docs/faithfulness.md")
     for program in programs if whole is not None else ():
         plan, traced = program.plan, program.traced
         for name, position in zip(plan.graph_outputs, traced.output_positions):

@@ -117,11 +117,9 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
                              f"value; compute it outside the model from per-sample outputs, or run with chunks=1")
         if info is not None and info.kind == "tensor" and info.shape and not info.merges:
             raise ValueError(f"the model's output {name} ({node_where(facts.nodes[name])}) has shape {info.shape}: dim "
-                             f"0 does not hold the batch as whole samples (a value over the batch, or several rows a "
-                             f"sample that autopipe cannot show stay together: torch.cat of batch tensors along dim 0, "
-                             f"a flatten after a transpose), so no concatenation of what {plan.chunks} micro-batches "
-                             f"give is the plain model's value; return it per sample, compute it outside the model, or "
-                             f"run with chunks=1")
+                             f"0 does not hold the batch as whole samples (torch.cat of batch tensors along dim 0, a "
+                             f"flatten after a transpose): no concatenation of micro-batch parts gives it. Return it "
+                             f"per sample, or run with chunks=1; see docs/faithfulness.md")
     stages = []
     for sp in plan.stages:
         inputs = [facts.nodes[name] for name in sp.inputs]

@@ -148,9 +148,8 @@ def _register_hook(tensor: torch.Tensor, hook: Any):
         user = next((f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(torch_dir)),
                     frames[0])
         raise TypeError(f"the forward registers a gradient hook on a tensor ({user.filename}:{user.lineno}: "
-                        f"{user.line}): a traced graph holds no hook, so the pipeline would never run it; write it as "
-                        f"a custom torch.autograd.Function (autopipe keeps those whole), or register it on a module "
-                        f"whole (register_full_backward_hook) on the fx route")
+                        f"{user.line}): a traced graph holds no hook, so the pipeline would never run it. Write it as "
+                        f"a custom torch.autograd.Function, or a module's full backward hook; see docs/faithfulness.md")
     return (_replaced.get("register_hook") or torch.Tensor.register_hook)(tensor, hook)
 
 

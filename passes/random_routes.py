@@ -57,9 +57,8 @@ def route(node: fx.Node, gm: fx.GraphModule, sp: StagePlan) -> tuple[str, Any, d
         return "wrap", target, {}
     raise random_ops.UnroutedRandomOp(  # a Tensor method or an aten op: Python functions were wrapped
         f"stage {sp.index}: {'Tensor.' if node.op == 'call_method' else ''}{target} at {node_where(node)} draws random "
-        f"numbers but takes no generator and nothing it runs can be given one, so the pipeline could not replay it "
-        f"when it recomputes the stage for backward. Set its dropout probability to 0 or call model.eval(), or use an "
-        f"op that takes a generator (torch.rand, ...).")
+        f"numbers and takes no generator, so a recompute could not replay it. Set its dropout probability to 0, call "
+        f"model.eval(), or use an op that takes a generator; see docs/faithfulness.md")
 
 
 def emit(graph: fx.Graph, node: fx.Node, route: tuple[str, Any, dict], env: dict, generator: fx.Node,

@@ -44,9 +44,8 @@ def inputs_written(facts: InPlaceWrites, plan: Plan, sp: StagePlan, inputs: list
                         reader = "the model's output" if u.op == "output" else f"{u.name} ({node_where(u)})"
                         raise ValueError(
                             f"stage {sp.index}: {w.name} ({node_where(w)}) writes in place to {a.name}, whose value "
-                            f"{reader} reads afterwards through {m.name}; each stage gets its own copy of a tensor it "
-                            f"receives, so that read would not see the write. Write out of place there (x = x + y "
-                            f"rather than x += y, inplace=False); see docs/faithfulness.md")
+                            f"{reader} reads afterwards through {m.name}, on a copy that does not see the write. Write "
+                            f"out of place there (x = x + y, not x += y); see docs/faithfulness.md")
     return list(dict.fromkeys(root
                               for root in (local_root(a) for w in body for a in facts.writes[w]) if root in input_set))
 

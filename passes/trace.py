@@ -66,11 +66,10 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     _bound_data_dependent_sizes(traced)
     trace_again = functools.partial(_trace, model, args, dict(kwargs or {}), leaf_modules, route, static_batch)
     if frozen := _drawn_on_every_call(model, guard.restored, trace_again):
-        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)} (a mask or a layer "
-                         f"skipped at random, say): tracing draws once and the graph would keep those numbers for "
-                         f"every step and micro-batch. Draw them with torch (torch.rand, torch.bernoulli), whose "
-                         f"random ops the pipeline replays, or trace the model in eval mode if it draws only in "
-                         f"training")
+        raise TraceError(f"{type(model).__name__}'s forward draws from {' and '.join(frozen)}: the traced graph "
+                         f"would keep one draw for every step and micro-batch. Draw with torch (torch.rand, "
+                         f"torch.bernoulli), or trace in eval mode if it draws only in training; see "
+                         f"docs/faithfulness.md")
     if guard.restored:
         traced.notes.append(f"tracing changed global state, put back: {', '.join(guard.restored)}")
     return traced

@@ -1,6 +1,7 @@
 """The layout docs/architecture.md promises: no import cycle among the modules of autopipe/ and passes/ (every import
 counts, also one inside a function or under TYPE_CHECKING), layers that point one way, no private name imported across
-modules, no module over 400 lines nor function over 100, and every module named in the reading order."""
+modules, no module over 400 lines nor function over 100, messages raised of at most 300 characters, and every module
+named in the reading order."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"autopipe": ROOT / "autopipe", "autopipe.passes": ROOT / "passes"}  # pyproject's package-dir
 LONGEST_FUNCTION = 100
 LONGEST_MODULE = 400      # lines
+LONGEST_MESSAGE = 300     # characters of a raise's message, a formatted field counted as PLACEHOLDER
+PLACEHOLDER = 10
 # What each layer may import of autopipe besides itself. autopipe.ir: what the passes hand the runtime and both read;
 # random_ops (the ops stage code calls, under a name the generated code spells out) and global_state: leaf libraries.
 LEAVES = ("autopipe.random_ops", "autopipe.global_state")
@@ -157,3 +160,27 @@ def test_no_module_over_400_lines():
             if (n := len(path.read_text().splitlines())) > LONGEST_MODULE}
     assert long == {}
 
+
+def message_length(node: ast.expr) -> int:
+    """The characters of a message as written: literal text, each formatted field (or other expression) as
+    PLACEHOLDER, a choice (``{...}[k]``, ``a if c else b``) as its longest branch."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return len(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return sum(len(v.value) if isinstance(v, ast.Constant) else PLACEHOLDER for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return message_length(node.left) + message_length(node.right)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+        return max(map(message_length, node.value.values))
+    if isinstance(node, ast.IfExp):
+        return max(message_length(node.body), message_length(node.orelse))
+    return PLACEHOLDER
+
+
+def test_every_message_raised_is_at_most_300_characters():
+    """docs/faithfulness.md holds the rest: a message says what happened and what to do, in a sentence or two."""
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} ({n} characters)" for path in modules().values()
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
+            and (n := message_length(node.exc.args[0])) > LONGEST_MESSAGE]
+    assert long == []

@@ -64,8 +64,7 @@ def merge(parts: Sequence[torch.Tensor], sizes: list[int], traced: TensorInfo | 
         raise ValueError(f"{name}: micro-batches of {sizes} rows gave parts of shapes {shapes}"
                          + (f" (traced at a batch of {traced.shape[0] // max(k, 1)}: {traced.shape})" if traced else "")
                          + ": it does not carry the batch in dim 0 alone, so no concatenation of the parts is the "
-                           "plain model's value; return it per sample, compute it outside the model, or run with "
-                           "chunks=1")
+                           "plain model's value; return it per sample or run with chunks=1 (docs/faithfulness.md)")
     return torch.cat(list(parts))
 
 

@@ -263,9 +263,7 @@ def check_same_kinds(traced: Any, chunks: int, args: Sequence[Any], kwargs: dict
                 f"argument {name!r} of shape {tuple(t.shape)} "
                 f"{'was cut into micro-batches' if was else 'went whole to every micro-batch'} when the pipeline "
                 f"was compiled, and its dim 0 {'no longer equals' if was else 'now equals'} the batch ({batch}): "
-                f"autopipe cannot tell whether it holds a row per sample (a (seq, seq) mask whose seq equals the "
-                f"batch would be cut, and computed wrongly); use batches of another size than its dim 0, or a new "
-                f"pipeline for these")
+                f"use batches of another size than its dim 0, or a new pipeline; see docs/faithfulness.md")
 
 
 def _delegate(name: str) -> Callable:

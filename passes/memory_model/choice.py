@@ -122,13 +122,10 @@ def choose_configuration(plan_for: Callable[[int], tuple[Plan, CostedGraph]], *,
     if least.fits:
         return replace(choice, chosen=least)
     worst = max(range(n_devices), key=least.memory.per_device().__getitem__)
-    resident = sum(p.params + p.grads + p.optimizer_state for p in least.memory if p.device == worst)
     raise NoFeasiblePlan(f"no configuration fits memory_cap={_human(memory_cap)} per device on {n_devices} device(s): "
-                         f"the smallest predicted peak is {_human(least.peak)} (schedule={least.schedule!r}, "
-                         f"checkpoint={least.checkpoint!r}, chunks={least.chunks}), on device {worst}, of which "
-                         f"{_human(resident)} are parameters, gradients and optimizer state ({optimizer or 'none'}). "
-                         f"Raise memory_cap to at least {_human(least.peak)}, add devices, use a lighter optimizer, or "
-                         f"a smaller batch.\nAlternatives weighed:\n{choice.table()}")
+                         f"the smallest predicted peak is {_human(least.peak)} ({least.schedule}, checkpoint="
+                         f"{least.checkpoint!r}, chunks={least.chunks}, device {worst}). Raise memory_cap to at least "
+                         f"{_human(least.peak)}, add devices or use a lighter optimizer:\n{choice.table()}")
 
 
 def _rank(c: Candidate) -> tuple:
