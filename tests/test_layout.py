@@ -1,7 +1,7 @@
 """The layout docs/architecture.md promises: no import cycle among the modules of autopipe/ and passes/ (every import
 counts, also one inside a function or under TYPE_CHECKING), layers that point one way, no private name imported across
-modules, no module over 400 lines nor function over 100, messages raised of at most 300 characters, and every module
-named in the reading order."""
+modules, no module over 400 lines nor function over 100, messages raised of at most 300 characters, every module
+named in the reading order, and every package installed."""
 from __future__ import annotations
 
 import ast
@@ -184,3 +184,14 @@ def test_every_message_raised_is_at_most_300_characters():
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
             and (n := message_length(node.exc.args[0])) > LONGEST_MESSAGE]
     assert long == []
+
+
+def test_pyproject_installs_every_package_and_reads_the_one_version():
+    """A package pyproject does not list is left out of the wheel; the version is written once, autopipe.__version__."""
+    import pytest
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert sorted(packages - set(config["tool"]["setuptools"]["packages"])) == []
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "autopipe.__version__"}
