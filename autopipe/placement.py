@@ -31,8 +31,8 @@ def on_streams(stages: Sequence[Stage], streams: Sequence[StageStream | None]) -
 def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]]:
     """Each tensor the stages read (``tensors_read``) and the device of the first stage that reads it; a later stage on
     another device runs on a replica (runtime/task.py). Found on the stages, not by name in the model: a trace makes
-    tensors the model does not hold (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), whose lookup in the
-    model was issue 29's KeyError on CUDA."""
+    tensors the model does not hold (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), which a lookup by name
+    in the model would not find."""
     first: dict[int, tuple[torch.Tensor, torch.device]] = {}
     for stage in stages:
         for t in tensors_read(stage):

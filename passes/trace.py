@@ -78,7 +78,7 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
 def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_again: Callable[[], Any]) -> list[str]:
     """NumPy's and Python's generators that moved while tracing and move again in a second trace: the forward's own
     draws, which the graph would freeze. A draw made once per process is not the forward's: a module imported for the
-    first time inside the forward that draws at import (issue 29: jax's k8s_cluster.py runs np.random.rand(5)), a cache
+    first time inside the forward that draws at import (jax's k8s_cluster.py runs np.random.rand(5)), a cache
     filled on the first call. The second trace runs only where a generator moved, under the same guards; both put the
     generators back."""
     moved = [name for name in restored if name in ("NumPy random", "Python random")]

@@ -1,5 +1,5 @@
 """``compile(..., cuda_graphs=True)``: a stage's forward, backward and recompute replayed as CUDA graphs, one launch a
-task (issue 31). NOT YET RUN ON A GPU: written against torch 2.11's ``torch.cuda.graphs`` (``CUDAGraph``, ``graph``,
+task. NOT YET RUN ON A GPU: written against torch 2.11's ``torch.cuda.graphs`` (``CUDAGraph``, ``graph``,
 ``graph_pool_handle``, ``CUDAGraph.register_generator_state``) and following ``make_graphed_callables`` closely:
 warm-up iterations on a side stream, then the forward captured with autograd recording, then the backward captured as
 ``torch.autograd.grad`` of the static outputs towards the static inputs and the parameters; a replay copies the
