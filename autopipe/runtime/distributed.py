@@ -63,7 +63,7 @@ _REQUIRED = object()
 
 def _tensor(module: torch.nn.Module, name: str, missing: Any = _REQUIRED) -> torch.Tensor:
     """The model's tensor of that qualified name; ``missing`` where it has none (fx's ``_tensor_constant0``, export's
-    lifted constants: tensors the trace made, held by the graph, issue 29)."""
+    lifted constants: tensors the trace made, held by the graph)."""
     owner_name, _, attr = name.rpartition(".")
     try:
         return getattr(module.get_submodule(owner_name), attr)
