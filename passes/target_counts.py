@@ -30,6 +30,7 @@ def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | 
     for n in graph_module.graph.nodes:
         if n.op == "placeholder" or n in needed:
             env[n] = graph.node_copy(n, env.__getitem__)
+    _on_the_inputs_device(graph, [env[n] for n in graph_module.graph.nodes if n.op == "placeholder" and n in needed])
     counts = []
     for c in counted:
         target = env[nodes[c.target]]
@@ -46,3 +47,21 @@ def count_program(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule | 
         counts.append(graph.call_method("sum", (valid,)))
     graph.output(tuple(counts))
     return fx.GraphModule(graph_module, graph, class_name="TargetCounts")
+
+
+def _on_the_inputs_device(graph: fx.Graph, read: list[fx.Node]) -> None:
+    """Note [counts on the inputs' device]: the count program runs on the micro-batch's own inputs, wherever the caller
+    put them; a device literal traced into it (``labels.to(device=...)`` of the trace's device, meta for a model built
+    on meta under torchrun) reads the device of an input the program counts from instead."""
+    if not read:
+        return
+    with graph.inserting_after(read[-1]):
+        device = graph.call_function(getattr, (read[0], "device"))
+    swap = lambda value: device if isinstance(value, torch.device) else value
+    for node in graph.nodes:
+        if node.op == "placeholder" or node is device:
+            continue
+        kwargs = {k: device if k == "device" and isinstance(v, str) else v for k, v in node.kwargs.items()}
+        node.args, node.kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(kwargs, swap)
+    if not device.users:
+        graph.erase_node(device)
