@@ -274,27 +274,33 @@ def main():
         pipe = saved[entries[-1]]
         results = {e: p.results for e, p in saved.items()}
         torch.save({"configs": results} if configs else results[entries[0]], os.path.join(OUT_DIR, f"rank{rank}.pt"))
-    elif scenario == "skip":
-        v = int(os.environ.get("VIRTUAL_STAGES", "1"))
-        model = SkipGPT(vocab=64, d=32, heads=4, layers=world * v, block=16, dropout=0.1).train()
-        model.skip_to = world + 1 if v > 1 else None
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 64, (16, 16), generator=g)
-        target = torch.randint(0, 64, (16, 16), generator=g)
-        pipe = autopipe.compile(model, chunks=4, timeout=30, virtual_stages=v,
-                                schedule=os.environ.get("SCHEDULE", "interleaved" if v > 1 else "gpipe"))
+    elif scenario == "skip":  # CONFIGS: "virtual_stages:schedule,...", one after the other in this launch
         from autopipe.runtime.p2p import P2PTransport
         from autopipe.runtime.wire import WireSpec
         posts = []  # (send?, peer, tag) in the order this rank posts them: NCCL would match each pair in this order
         post = P2PTransport._post
         P2PTransport._post = lambda self, send, tensor, peer, tag, what: (
             posts.append((send, peer, tag)), post(self, send, tensor, peer, tag, what))[1]
-        torch.manual_seed(100)
-        loss = pipe.step(ids, target=target, loss_fn=skip_loss)
-        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-        edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
-        torch.save({"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges, "posts": posts},
-                   os.path.join(OUT_DIR, f"rank{rank}.pt"))
+        runs = {}
+        for entry in os.environ["CONFIGS"].split(","):
+            v, schedule = int(entry.split(":")[0]), entry.split(":")[1]
+            torch.manual_seed(0)
+            model = SkipGPT(vocab=64, d=32, heads=4, layers=world * v, block=16, dropout=0.1).train()
+            model.skip_to = world + 1 if v > 1 else None
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, 64, (16, 16), generator=g)
+            target = torch.randint(0, 64, (16, 16), generator=g)
+            pipe = autopipe.compile(model, chunks=4, timeout=30, virtual_stages=v, schedule=schedule)
+            posts.clear()
+            torch.manual_seed(100)
+            loss = pipe.step(ids, target=target, loss_fn=skip_loss)
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
+            runs[entry] = {"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges,
+                           "posts": list(posts)}
+            if entry != os.environ["CONFIGS"].split(",")[-1]:
+                pipe.close()
+        torch.save(runs, os.path.join(OUT_DIR, f"rank{rank}.pt"))
     elif scenario == "masked":  # a (seq, seq) mask: a tensor argument without the batch, which every rank reads whole
         (x, mask), _ = random_inputs("masked", 8, torch.Generator().manual_seed(1))
         target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
