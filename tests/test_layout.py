@@ -127,6 +127,11 @@ def test_architecture_names_every_module():
     assert unnamed == []
 
 
+def test_architecture_is_a_design_document_of_at_most_25k_characters():
+    """The design a newcomer finishes: the history is in docs/decisions/, the reasons beside the code as notes."""
+    assert len((ROOT / "docs" / "architecture.md").read_text()) <= 25_000
+
+
 def private_names_used(name: str, path: Path, known: set[str]) -> list[str]:
     """Another module's private names ``name`` reaches: ``from m import _x`` and ``m._x`` (m bound by an import) where m
     is one of autopipe's modules. ``_x`` private: one leading underscore, not a dunder."""
