@@ -67,7 +67,7 @@ code=${PIPESTATUS[0]}
 [ "$code" = 124 ] && echo "make gpu: test_cuda.py ran past $tests_timeout s and was stopped" | tee -a "$tests"
 [ "$code" != 0 ] && status=1
 
-# issue 31: CUDA graphs, tests then benchmark, each under its own cap (not yet run on a GPU)
+# CUDA graphs: tests then benchmark, each under its own cap (not yet run on a GPU)
 graph_tests_timeout=${GPU_GRAPH_TESTS_TIMEOUT:-90}
 graph_bench_timeout=${GPU_GRAPH_BENCH_TIMEOUT:-110}
 graph_tests=$out/cuda_graphs_tests_$gpu.txt
@@ -100,8 +100,8 @@ code=${PIPESTATUS[0]}
 [ "$code" = 124 ] && echo "make gpu: host_cost.py ran past $host_cost_timeout s, stopped" | tee -a "$log"
 [ "$code" != 0 ] && status=1
 
-# issue 30: stages on SM slices. The full grid (3 models x K in {2, 4} x M in {4, 8, 16} x 3 schedules, with the
-# probe for each K) does not fit make gpu's minutes: this runs the issue's targets only.
+# Stages on SM slices. The full grid (3 models x K in {2, 4} x M in {4, 8, 16} x 3 schedules, with the
+# probe for each K) does not fit make gpu's minutes: this runs the targets only.
 echo "make gpu: gpu.py --slices grid cut to: the probe U at K=4; gpt-877M K=4 M=16 gpipe/1f1b/interleaved;" \
      "gpt-135M and resnet50 K=4 M=8 gpipe. Cut: K=2, M=4, the other M and schedules of the smaller models" \
      "(the full grid: python benchmarks/gpu.py --slices 2,4)" | tee -a "$log"

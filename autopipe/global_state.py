@@ -1,6 +1,7 @@
 """``with preserved_global_state() as guard``: compiling runs model code that may leave torch's global state changed
 (a Hugging Face ``@torch.no_grad()`` rotary embedding, exported by torch, leaves grad mode off when its body raises);
-on exit the guard puts back what changed, named in ``guard.restored``. Enter and exit it on the same thread."""
+on exit the guard puts back what changed, named in ``guard.restored`` (Note [global state across tracing]). Enter and
+exit it on the same thread."""
 from __future__ import annotations
 
 import contextlib
@@ -163,6 +164,10 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return [name for name in before if name not in after or not _same(before[name], after[name])]
 
 
+# Note [global state across tracing]: tracing runs the user's code, which may leave torch's global state changed
+# (Hugging Face rotary embeddings under @torch.no_grad() left grad mode off in the caller). The whole chain of
+# passes runs inside preserved_global_state, which puts back grad mode, RNG, autocast, default dtype and device,
+# thread counts and the other flags it lists, also when tracing fails.
 class preserved_global_state(contextlib.ContextDecorator):
     """Snapshots torch's global state on entry; on exit, also by exception, puts back whatever changed; GlobalStateLeak
     names what could not be (as a note on the block's own exception, if it raised)."""

@@ -30,11 +30,11 @@ from autopipe.runtime.step import Compiled, Program
 def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], options: Options, *,
                generate: bool = True, before_codegen: Callable[[Plan], None] | None = None,
                after_codegen: Callable[[list], None] | None = None, cut_of: Plan | None = None) -> Compiled:
-    """The passes under ``preserved_global_state``; a model that specialises on the batch size is traced once per
-    micro-batch size. ``before_codegen(plan)``: where the torchrun runtime materialises its meta weights.
-    ``after_codegen(stages)``: where compile places the tensors the stages read on their devices, before the runners
-    look at where they are. ``cut_of``: a plan of the same model at other input shapes whose cut to keep (the torchrun
-    runtime's, Note [one cut for every shape])."""
+    """The passes under ``preserved_global_state`` (Note [global state across tracing]); a model that specialises on
+    the batch size is traced once per micro-batch size (Note [batch-specialised models]). ``before_codegen(plan)``:
+    where the torchrun runtime materialises its meta weights. ``after_codegen(stages)``: where compile places the
+    tensors the stages read on their devices, before the runners look at where they are. ``cut_of``: a plan of the
+    same model at other input shapes whose cut to keep (the torchrun runtime's, Note [one cut for every shape])."""
     progress = Progress(options.verbose)
     args, kwargs = on_model_device(model, args, kwargs)
 
@@ -91,14 +91,17 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             progress.say(f"the model specialises on the batch size: tracing at micro-batch size(s) {sizes}")
             programs = {size: program(size, e) for size in sizes}
             if options.chunks > 1:
+                # Note [eager runs at the whole batch]
                 refuse_batch_mixing_outputs(model, args, kwargs, e.batch_size, programs.values())
     example = next(iter(programs.values())).traced.flat_inputs(args, kwargs)
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
 
+# Note [example inputs on the model's device]: a DataLoader gives CPU batches to a model on a GPU. Stage 0 moves
+# them itself, but the passes would trace and time a model with mixed devices: the chain takes the example
+# inputs to the model's device first.
 def on_model_device(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]):
-    """The example inputs on the model's device, where stage 0 moves a DataLoader's CPU batch: the passes see the batch
-    there."""
+    """The example inputs on the model's device (Note [example inputs on the model's device])."""
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) != 1 or (device := devices.pop()).type == "meta":
         return args, kwargs

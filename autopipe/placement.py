@@ -12,9 +12,14 @@ from autopipe.passes.codegen import Stage
 from autopipe.runtime.streams import StageStream
 
 
+# Note [placement by the stages]: each tensor a stage reads goes to the device of the first stage that reads it,
+# by replacing .data, so the objects stay the same. The tensors are found on the stages (get_attr, modules called
+# or fetched whole, subgraphs), not by the plan's names in the model, which a trace's own constants are not:
+# fx's _tensor_constant* and export's lifted_tensor_* raised KeyError on CUDA and AttributeError under torchrun.
 def place(stages: Sequence[Stage]) -> Sequence[Stage]:
     """Move each tensor the stages read to its ``placement``. The tensor objects stay the same (``.data`` is replaced),
-    so optimizers keep working and every stage, program and the model see the move."""
+    so optimizers keep working and every stage, program and the model see the move (Note [placement by the
+    stages])."""
     with torch.no_grad():
         for t, device in placement(stages):
             if t.device != device:
@@ -30,9 +35,8 @@ def on_streams(stages: Sequence[Stage], streams: Sequence[StageStream | None]) -
 
 def placement(stages: Sequence[Stage]) -> list[tuple[torch.Tensor, torch.device]]:
     """Each tensor the stages read (``tensors_read``) and the device of the first stage that reads it; a later stage on
-    another device runs on a replica (runtime/task.py). Found on the stages, not by name in the model: a trace makes
-    tensors the model does not hold (fx's ``_tensor_constant0``, export's ``lifted_tensor_0``), which a lookup by name
-    in the model would not find."""
+    another device runs on a replica (runtime/task.py). Found on the stages, not by name in the model (Note
+    [placement by the stages])."""
     first: dict[int, tuple[torch.Tensor, torch.device]] = {}
     for stage in stages:
         for t in tensors_read(stage):

@@ -59,8 +59,12 @@ def is_random_target(target: Any) -> bool:
     return op_name(target).strip("_") in RANDOM_OPS or "dropout" in op_name(target)
 
 
+# Note [torch's own functions]: a function fx keeps whole (torch.fx.wrap) is wrapped to draw from the task's
+# generator unless torch defines it. "Defined by torch" is the module torch or torch.*, not a name beginning
+# with "torch": torchvision's stochastic_depth drew from the global generator, so recomputed and kept micro-batches
+# trained on other masks.
 def from_torch(target: Any) -> bool:
-    """Defined by torch itself (not torchvision, whose fx-wrapped stochastic_depth draws unseen by fx)."""
+    """Defined by torch itself (Note [torch's own functions])."""
     module = getattr(target, "__module__", None) or ""
     return module == "torch" or module.startswith("torch.")
 
@@ -75,7 +79,7 @@ def drawing(func: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any] | Non
 
 
 class Draws(TorchDispatchMode):
-    """Sees whether a random kernel draws while it is active (``seen``)."""
+    """Sees whether a random kernel draws while it is active (``seen``; Note [dropout hidden behind a zero gain])."""
 
     def __init__(self):
         super().__init__()
@@ -114,9 +118,9 @@ _FIXED: dict[str, Callable[[dict[str, Any]], Any]] = {"bernoulli": lambda b: 1.0
 
 class FixedDraws(TorchDispatchMode):
     """Every random kernel's draws take fixed values (dropout keeps everything and scales): a training step of the plain
-    model and one of the pipeline compute the same numbers, whoever draws from which generator (autopipe.verify's
-    train-mode check). A dispatch mode runs the pipeline's tasks inline, on this thread. ``unfixed``: the random kernels
-    it does not know (an LSTM's fused dropout)."""
+    model and one of the pipeline compute the same numbers, whoever draws from which generator (Note [training steps
+    with draws fixed]). A dispatch mode runs the pipeline's tasks inline, on this thread. ``unfixed``: the random
+    kernels it does not know."""
 
     def __init__(self):
         super().__init__()
@@ -208,10 +212,14 @@ def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False, *,
 _DEFAULT_GENERATORS = threading.Lock()
 
 
+# Note [fused kernels on the default generator]: an op that takes no generator and draws (a fused attention
+# kernel) runs on its device's default generator, lent the task generator's state under a lock and given its own
+# back; a CUDA generator's state is host-side, so nothing synchronises. On the CPU the lock would serialise the
+# stages, so attention with dropout runs the documented math reference with the generator; any other such op is
+# refused on a CPU stage.
 def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **kwargs):
     """``fn(*args, **kwargs)``, a kernel that draws from its device's default generator only (torch's fused attention),
-    drawing from ``generator``: the default generator is lent its state under a lock, ``generator`` moves on by what was
-    drawn, the default gets its own back. A CUDA generator's state is on the host (seed, offset): no synchronisation."""
+    drawing from ``generator`` (Note [fused kernels on the default generator])."""
     device = generator.device
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
     with _DEFAULT_GENERATORS:
@@ -227,7 +235,7 @@ def on_default_generator(generator: torch.Generator, fn: Callable, /, *args, **k
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, generator=None):
     """On a GPU torch's own (fused flash / memory-efficient kernels) on ``generator``'s state; elsewhere its
-    documentation's math reference (the lock around a CPU kernel would serialise the stages' attention)."""
+    documentation's math reference (Note [fused kernels on the default generator])."""
     if generator is not None and query.device.type == "cuda":
         return on_default_generator(generator, F.scaled_dot_product_attention, query, key, value, attn_mask,
                                     dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

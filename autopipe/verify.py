@@ -137,12 +137,16 @@ def _copy(model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, mode: 
     return twin if mode is None else twin.train(mode), pytree.tree_map_only(torch.Tensor, cast, inputs)
 
 
+# Note [dropout hidden behind a zero gain]: behind a gain initialised to zero (layer scale, ReZero, Swin V2's
+# post-norm) a dropout branch changes no output at first, only the gain's gradient, and two seeds can agree by
+# chance (Gumbel routing whose winner is mostly the same). So a model is random when a random kernel draws in
+# three steps, gradients included, not when its outputs change with the seed.
 def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: torch.dtype | None = None,
                 mode: bool | None = None):
     """Three steps of a copy on the same input and buffers, seeds 1, 1, 2: DETERMINISTIC all equal; RANDOM (dropout)
     equal under one seed only; IRREPRODUCIBLE not even that (a Python counter, the model's own generator). The gradients
-    count with the outputs: a branch behind a zero-initialised gain (layer scale, Swin V2's post-norm) hides its dropout
-    from the outputs, not from the gain's gradient."""
+    count with the outputs, and a random kernel that draws makes the model random (Note [dropout hidden behind a zero
+    gain])."""
     twin, (args, kwargs) = _copy(model, (args, kwargs), dtype, mode)
     buffers = [(b, b.clone()) for b in twin.buffers()]
     results, kernels = [], random_ops.Draws()
@@ -155,8 +159,6 @@ def _randomness(model: torch.nn.Module, args, kwargs, loss_fn: Callable, dtype: 
             step = _step(twin, lambda: twin(*args, **kwargs), loss_fn, threads=1, seed=seed, mode=kernels)
             results.append([t for _, t in step.outputs] + list(step.grads.values()))
     same = [all(_compare("", "", x, y).max_abs_diff == 0 for x, y in zip(r, results[0])) for r in results[1:]]
-    # a random kernel that draws makes the model random even where two seeds happen to give one result (Phi-MoE's
-    # routing samples)
     return IRREPRODUCIBLE if not same[0] else DETERMINISTIC if same[1] and not kernels.seen else RANDOM
 
 
@@ -291,9 +293,15 @@ def _verify(model, args, kwargs, devices, chunks, checkpoint, loss_fn, compile_k
     return report
 
 
+# Note [training steps with draws fixed]: a random model compared in eval mode only never compares a training
+# step's own code (a reentrant checkpoint, a Function used only in training). So verify also runs the plain loop
+# and the pipeline in train mode with every random kernel's draws fixed (bernoulli keeps, uniform its midpoint,
+# normal its mean; out= arguments filled as the schema marks them written), in float64. A kernel it does not
+# know (an LSTM's fused dropout) makes that check informational.
 def _draws_fixed(run: Callable[..., _Step], dtype, checkpoint: str, threads, loop: str, tolerance: float,
                  skipped: list[str], deferred: bool) -> Check:
-    """The train-mode code eval mode skips (a checkpoint, a Function used in training only), every draw fixed."""
+    """The train-mode code eval mode skips (a checkpoint, a Function used in training only), every draw fixed (Note
+    [training steps with draws fixed])."""
     fixed = Check("structure, draws fixed", f"pipeline checkpoint={checkpoint!r}, train mode, every random draw "
                   f"fixed (dropout keeps all), {dtype_name(dtype)}", f"{loop}, the same", tolerance,
                   notes=list(skipped))

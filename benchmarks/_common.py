@@ -4,14 +4,21 @@ Every benchmark compares variants measured side by side in one run: the
 variants are interleaved (A B C, B C A, C A B, ...: the order rotates every
 round), the first rounds are warm-up, and the numbers reported are medians.
 Ratios are medians of the per-round ratios, so a slow spell of the machine
-that hits one round hits both sides of the ratio (docs/architecture.md, pitfalls: the
-same work timed in two sequential blocks differed by up to 1.5x on a shared
-machine, in alternation by under 1.08x).
+that hits one round hits both sides of the ratio (Note [timing on noisy machines]).
 
 Progress goes to stderr; the table (with a header naming the machine, torch,
 threads and date) goes to stdout and to ``benchmarks/results/<name>.txt``
 (``<name>-quick.txt`` with ``--quick``, so a smoke run never overwrites real
 numbers).
+
+Note [timing on noisy machines]: the same work timed in two sequential blocks can differ by far more than in
+alternation, and the two cores of a VM need not run at the same speed. Benchmarks interleave the variants they
+compare, take medians or minima of alternating runs, report ratios, and pin the process to one core for an
+overhead ratio.
+
+Note [micro-batching's own cost]: small micro-batches are slow on their own (smaller kernels, more launches
+from one host thread), on a CPU and on one GPU alike. Benchmarks report the plain model looped over the same
+micro-batches beside the plain step, so the pipeline's efficiency and micro-batching's cost are seen apart.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Models (zoo/models.py), under bf16 autocast (fp32 weights), random weights:
 A step is zero_grad + forward and cross-entropy under torch.autocast(bfloat16) + backward (no optimizer);
 with --device cpu in float32 (autocast off: bf16 is slow on CPUs without bf16 units).
 Variants, interleaved round by round (benchmarks/_common.py): the plain model, the plain model looped over
-M micro-batches with gradients accumulated (micro-batching's own cost), and
+M micro-batches with gradients accumulated (Note [micro-batching's own cost]), and
 autopipe.compile(model, devices=["cuda:0"] * K, chunks=M, checkpoint="never") for K in {1, 2, 4},
 M in {1, 4, 8}. Every variant ends with torch.cuda.synchronize(), so a timed call is the whole step on the GPU.
 

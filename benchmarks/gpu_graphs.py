@@ -10,8 +10,8 @@ Models (benchmarks/gpu.py's and gpu_slices.py's), bf16 autocast, fp32 weights, n
 A step is pipe.step(x, target=y, loss_fn=cross-entropy) (the loop: forward, loss and backward per micro-batch,
 gradients accumulated), then torch.cuda.synchronize(). Pipelines: schedule="1f1b", checkpoint="never", M=8: at K=1
 that is the loop's order (F0 B0 F1 B1 ...), and a graphed stage needs one slot. K=4: four stages on the GPU's SM
-slices (autopipe.sm_slices, issue 30) where available, else four stages on the caller's stream, eager and graphed.
-Summary lines, for each model: ``graphs: <model> K=1 M=8: <R>x the eager loop`` (issue 31's goal: R <= 0.50 for the
+slices (autopipe.sm_slices) where available, else four stages on the caller's stream, eager and graphed.
+Summary lines, for each model: ``graphs: <model> K=1 M=8: <R>x the eager loop`` (the goal: R <= 0.50 for the
 135M GPT) and ``graphs: <model> K=4 M=8: graphed <R>x eager``. NOT YET RUN ON A GPU.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu.py --slices K``: pipelining measured on ONE GPU split into K SM slices (issue 30).
+"""``benchmarks/gpu.py --slices K``: pipelining measured on ONE GPU split into K SM slices.
 
 Each slice is a green context of an equal share of the SMs (``autopipe.sm_slices(K)``); the pipeline's stage s
 computes on slice s's stream, so stages run at the same time, each on its own SMs: the emulation of K GPUs.

@@ -7,7 +7,7 @@ One worker (devices=["cpu"]) with as many intra-op threads as the plain run
 (all usable cores), so the only differences are autopipe's runtime and the
 micro-batching. Model: zoo.transformer_like(512, 2048, 8)
 with batch 1024 x threads, where running M=8 micro-batches is nearly free on
-CPU (docs/architecture.md, pitfalls: 1.00x at batch 1024 on one thread; measured here,
+CPU (Note [micro-batching's own cost]; docs/decisions/history.md: 1.00x at batch 1024 on one thread; measured here,
 2 threads: 1.18x at batch 1024, 1.03x at 2048). A step is zero_grad +
 forward + MSE loss + backward (no optimizer step: the same for every variant).
 
@@ -27,7 +27,7 @@ Second table, a model of small ops where per-op costs dominate: the GPT of
 zoo/models.py (d=64, 8 layers, 4 heads, vocab 64, tied head), batch 8 x
 sequence 32, dropout 0.1 and 0, compiled with devices=1, chunks=1,
 checkpoint="never", intra_op_threads=1 (a TorchFunctionMode around the stage
-once cost it 1.44x the plain step: docs/architecture.md, pitfalls). Measured
+once cost it 1.44x the plain step: Note [random ops bound at codegen]). Measured
 in a child process pinned to ONE core (os.sched_setaffinity before torch
 starts its threads, torch.set_num_threads(1)): plain and autopipe alternate
 for 41 runs (--small-op-runs) of 5 consecutive steps each; the fastest run of

@@ -1,5 +1,5 @@
 """How well autopipe's partitioner balances pipeline stages, against the layer-granular splits
-other pipeline libraries use (issue 4).
+other pipeline libraries use.
 
     python benchmarks/partition.py          # or: python -m benchmarks.partition; make bench
     python benchmarks/partition.py --results-dir /tmp   # a trial run that leaves benchmarks/results alone

@@ -1,6 +1,6 @@
 """A model traced per micro-batch size (static_batch) shows its outputs at that size alone: ``output_facts`` runs it
 eagerly on fake inputs at the whole batch, and ``refuse_batch_mixing_outputs`` refuses, before anything runs, an output
-that mixes the batch's rows there."""
+that mixes the batch's rows there (Note [eager runs at the whole batch])."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
@@ -18,6 +18,10 @@ from .model_state import hooks_kept, module_state_kept, scalar_buffers_kept
 from .traced_model import named_leaves, per_sample_lists
 
 
+# Note [eager runs at the whole batch]: a model traced per micro-batch size can branch on that size (if len(a)
+# == 1), so its two exports say nothing of what the whole batch computes. Compile also runs it eagerly on fake
+# tensors at the whole batch and one row more, recording each aten op, and refuses an output computed from an op
+# whose result holds the batch in two dims, or whose other dims grow with the batch.
 def output_facts(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
                  batch: int) -> list[tuple[str, tuple | None, str]] | None:
     """(path, shape, pairing op) of each of the model's output leaves, run eagerly on fake inputs at the whole batch: a
@@ -69,8 +73,8 @@ def refuse_batch_mixing_outputs(model, args, kwargs, batch: int, programs: Itera
     """Refused before anything runs, for a model exported at its micro-batch size: an output computed from a value
     holding the batch in two dims, or one whose other dims grow with the batch (CLIP's logits), seen in eager runs at
     the whole batch. The export one row larger finds these where the two exports have the same nodes; where they do not
-    (a branch on len(x) == 1), these runs may (docs/architecture.md, "Pitfalls measured"). ``programs``: run_passes's,
-    each with its ``traced`` and ``plan``."""
+    (a branch on len(x) == 1), these runs may (Note [eager runs at the whole batch]). ``programs``: run_passes's, each
+    with its ``traced`` and ``plan``."""
     whole = output_facts(model, args, kwargs, batch)
     for path, _, pairing in whole or ():
         if pairing:

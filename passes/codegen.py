@@ -1,5 +1,5 @@
 """Codegen pass: Plan + graph -> one readable fx.GraphModule per stage, nothing wrapping its ops at run time. The
-contract (random ops, devices, in-place writes, module aliases): docs/architecture.md, "codegen"."""
+contract (random ops, devices, in-place writes, module aliases): docs/architecture.md, "Contracts between passes"."""
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +34,7 @@ class Stage(fx.GraphModule):
         self.uses_rng = any(n.op == "placeholder" and n.target == "generator" for n in graph.nodes)
         self.cloned_inputs = cloned_inputs
         self.running_buffers, self.written_buffers = running_buffers(self)
-        self.module_aliases = dict(graph._codegen.aliases)  # the modules stay registered under their own names
+        self.module_aliases = dict(graph._codegen.aliases)  # Note [module aliases]
         self.__dict__.update({alias: self.get_submodule(target) for target, alias in self.module_aliases.items()})
 
     def __deepcopy__(self, memo):
@@ -83,6 +83,9 @@ class _Root(torch.nn.Module):
         return getattr(self.__dict__["_model"], name)
 
 
+# Note [module aliases]: the stage code calls a nested submodule through a flat alias (self.blocks_0_attn_qkv):
+# one attribute lookup instead of a chain of nn.Module.__getattr__, which a model of small ops feels every step.
+# The modules stay registered under the model's names, so state_dict() is unchanged.
 class _CodeGen(fx.graph.CodeGen):
     """fx's code, calling ``autopipe.random_ops.dropout`` where fx names a global ``autopipe_random_ops_dropout``,
     and a nested submodule by its flat alias (``self.blocks_0_fc``, Stage.module_aliases) unless that shadows a name."""
@@ -150,10 +153,15 @@ def codegen(graph_module: fx.GraphModule, plan: Plan) -> list[Stage]:
 
 
 
+# Note [device arguments read the stage's device]: export writes the tracing device into factory ops (arange,
+# to.dtype_layout, _assert_tensor_metadata), also inside the subgraphs of its no_grad and autocast regions
+# (Llama's rotary embedding). Codegen points every device argument at the stage's own stage_device, copying such
+# a subgraph into the stage, so Stage._apply moves it with the stage; the traced graph is not touched.
 def _use_stage_device(graph: fx.Graph, root: torch.nn.Module, attributes: dict[str, Any], device: torch.device) -> bool:
     """Device literals traced into calls (``arange(..., device=cpu)``) read the stage's ``stage_device``; a subgraph of
     export's no_grad / autocast regions that names one is copied into ``attributes`` and reads its own, which
-    Stage._apply moves with the stage. Returns whether ``graph`` reads the device."""
+    Stage._apply moves with the stage (Note [device arguments read the stage's device]). Returns whether ``graph``
+    reads the device."""
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         read = graph.create_node("get_attr", "stage_device", name="stage_device")
     swap = lambda value: read if isinstance(value, torch.device) else value

@@ -87,6 +87,9 @@ _LINEAR_CONV = {F.linear, F.conv1d, F.conv2d, F.conv3d, aten.linear.default, ate
                 aten.conv3d.default, aten.convolution.default}
 _CONV_TRANSPOSE = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, aten.conv_transpose1d.default,
                    aten.conv_transpose2d.input, aten.conv_transpose3d.input}
+# Note [FLOPs of attention]: FlopCounterMode counts 0 FLOPs for F.scaled_dot_product_attention on CPU tensors and
+# CPU fake tensors (it counts them on meta), which would plan every attention model unbalanced: attention has its
+# own formula here.
 _ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
 # elementwise work or a gather: one FLOP per output element
 _CHEAP_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh,
@@ -98,6 +101,9 @@ _TORCH_MODULES = {"torch", "_operator", "builtins", "torch._C._nn", "torch.nn.fu
                   "torch._C._VariableFunctions"}
 
 
+# Note [parametrized weights]: reading a parametrized module.weight computes it (spectral_norm's power iteration
+# writes its buffers), which would change the user's model at compile; a weight_norm module has no .original.
+# FLOPs of a Linear or a convolution come from the module's own sizes.
 def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
     """Forward FLOPs from shapes, as torch.utils.flop_counter counts them; None: count by running it."""
     out, target = node.meta.get("val"), node.target
@@ -107,8 +113,7 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
         if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             return 0 if isinstance(module, _CHEAP_MODULES) else None
         transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
-        # from the module's sizes: a parametrized weight (spectral_norm's power iteration) is computed, its buffers
-        # written, where it is read
+        # from the module's sizes, not its weight (Note [parametrized weights])
         per_element = module.in_features if isinstance(module, nn.Linear) else \
             (module.out_channels if transposed else module.in_channels) // module.groups * math.prod(module.kernel_size)
     elif target in _LINEAR_CONV or target in _CONV_TRANSPOSE:  # as conv_flop_count: per output (input) element
@@ -129,10 +134,12 @@ def _formula_flops(gm: fx.GraphModule, node: fx.Node) -> int | None:
     return 2 * _numel(vals[0] if transposed else out) * per_element
 
 
+# Note [FLOPs without global hooks]: FlopCounterMode's module tracker registers global module hooks, which reach
+# every module of the process: a pipeline training on another thread while this one compiled failed inside
+# autograd.grad. So the cost pass counts with a dispatch mode of its own over flop_registry.
 class _Flops(TorchDispatchMode):
     """torch.utils.flop_counter's count (flop_registry, decomposing what it has no formula for), without
-    FlopCounterMode's module tracker, whose global module hooks reach other threads' modules: a pipeline training there
-    while this one compiles."""
+    FlopCounterMode's module tracker (Note [FLOPs without global hooks])."""
 
     # export's no_grad / autocast regions: their bodies are counted, as FlopCounterMode counts them
     supports_higher_order_operators = True

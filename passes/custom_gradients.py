@@ -1,15 +1,12 @@
 """Gradients a model defines in Python, which a traced graph would drop: the trace pass keeps them or refuses them.
 
-- A custom autograd.Function: both routes traced into its forward and dropped its backward, so the pipeline
-  differentiated the forward's ops instead (a gradient reversal layer, RecurrentGemma's clipped sqrt, Phi-MoE's
-  sparsemixer: other gradients, silently). fx records a call of the Function; torch.export records an opaque custom op
-  (``autopipe::autograd_function``), which export_route swaps for the same call.
-- A reentrant ``torch.utils.checkpoint`` (Hugging Face's ``gradient_checkpointing_enable()`` before transformers 5) runs
-  its function inline: export traced it under no_grad, and no gradient reached the checkpointed layers. The pipeline
-  re-materialises stages itself.
-- A module's backward hook runs where the module is called whole (fx keeps it so; export is refused); a tensor hook
-  registered in the forward (``h.register_hook(f)``) is refused: no graph holds it. docs/architecture.md, "Custom
-  gradients"."""
+- A custom autograd.Function is kept whole, its own backward run: fx records a call of the Function; torch.export
+  records an opaque custom op (``autopipe::autograd_function``), which export_route swaps for the same call (Note
+  [Function.apply traced into], Note [a Function that writes its input]).
+- A reentrant ``torch.utils.checkpoint`` runs its function inline; the pipeline re-materialises stages itself (Note
+  [reentrant checkpoints inline]).
+- A module's backward hook runs where the module is called whole (Note [module backward hooks]); a tensor hook
+  registered in the forward (``h.register_hook(f)``) is refused (Note [tensor hooks in the forward])."""
 from __future__ import annotations
 
 import contextlib
@@ -52,6 +49,10 @@ class FunctionCall:
         self.output: tuple[pytree.TreeSpec,
                            list[Any]] | None = None  # the export route's: the output's structure and non-tensor leaves
 
+    # Note [a Function that writes its input]: a kept Function that writes its input in place (ctx.mark_dirty) is a
+    # call the in-place analysis cannot see into, so a recompute would write the caller's input again. run compares
+    # its inputs' versions and refuses during the trace's shape runs, on both routes (the custom op of the export
+    # route says it mutates nothing). A SymInt argument is refused too: a size set by the batch would be baked in.
     def run(self, *values: Any) -> Any:
         filled = dict(zip(self.slots, values))
         args, kwargs = pytree.tree_unflatten([filled.get(i, leaf) for i, leaf in enumerate(self.leaves)], self.spec)
@@ -90,13 +91,25 @@ def _recorded_call(tensors: list[torch.Tensor], call: int) -> list[torch.Tensor]
 torch.library.custom_op("autopipe::autograd_function", mutates_args=())(_recorded_call).register_fake(_recorded_call)
 
 
+# Note [Function.apply traced into]: fx and non-strict export both trace into Function.apply: the graph holds the
+# forward's ops and the backward is gone, so a pipeline would differentiate the forward instead (a gradient
+# reversal layer's sign lost, silently). While a trace runs on a thread, apply is patched for that thread: on fx
+# a call_function node calling FunctionCall; on export a custom op whose fake kernel runs the forward, swapped
+# back for FunctionCall in every GraphModule of the export (higher-order ops' subgraphs too). The patches put back
+# what they found (a user's own patch), not what torch had at import.
 def _apply(cls, *args, **kwargs):
-    """Function.apply while a trace runs on this thread: the call kept whole; elsewhere torch's own."""
+    """Function.apply while a trace runs on this thread: the call kept whole (Note [Function.apply traced into]);
+    elsewhere torch's own."""
     ran_inline = _tracing.get(threading.get_ident())
     if ran_inline is None:
         return _apply_unpatched(cls, *args, **kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     proxies = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Proxy)]
+    # Note [reentrant checkpoints inline]: a reentrant torch.utils.checkpoint is CheckpointFunction.apply, whose
+    # forward runs under no_grad: export recorded the region without grad and no gradient reached the layers. It runs
+    # inline, under no_grad only where none of its inputs requires grad, as the plain model gives such a function's
+    # parameters no gradient. That is right only for the requires_grad flags it was traced with: they are kept
+    # (grad_flags) and a call whose flags differ is refused. fx refuses it (its grad-mode switch).
     if cls is torch.utils.checkpoint.CheckpointFunction:  # (run_function, preserve_rng_state, *args)
         if proxies:  # fx: torch's own, whose no_grad region fx refuses
             return _apply_unpatched(cls, *args, **kwargs)
@@ -139,9 +152,13 @@ def _apply_unpatched(cls, *args, **kwargs):
     return apply.__get__(None, cls)(*args, **kwargs)
 
 
+# Note [tensor hooks in the forward]: a hook registered in the forward (h.register_hook(f)) is set on a fake
+# tensor while export traces and held by no graph: it would never run through the pipeline. While a trace runs,
+# Tensor.register_hook called from outside torch's own code raises, naming the line; register_multi_grad_hook,
+# which calls it from torch's code, is refused too. A hook on a grad_fn is a C method no patch reaches.
 def _register_hook(tensor: torch.Tensor, hook: Any):
     """Tensor.register_hook while a trace runs on this thread: refused where the forward calls it, also through torch's
-    register_multi_grad_hook (nn.Module's own hook machinery runs as it does)."""
+    register_multi_grad_hook (nn.Module's own hook machinery runs as it does; Note [tensor hooks in the forward])."""
     frames = traceback.extract_stack(limit=2)
     if threading.get_ident() in _tracing and not frames[0].filename.startswith(_TORCH_HOOKS):
         torch_dir = os.path.dirname(torch.__file__)
@@ -153,6 +170,11 @@ def _register_hook(tensor: torch.Tensor, hook: Any):
     return (_replaced.get("register_hook") or torch.Tensor.register_hook)(tensor, hook)
 
 
+# Note [module backward hooks]: a module's full backward hook (and pre-hook) is set up by its __call__ on the
+# autograd graph of that call, which a graph tracing into the module does not keep. fx keeps a module with a
+# backward hook whole, so the stage calls it and the hook runs per micro-batch; export refuses one, naming it;
+# a global module backward hook is refused on both routes. fx calls the model through nn.Module._call_impl, so
+# its own forward (pre-)hooks run as they do in the plain model.
 def backward_hooked(model: torch.nn.Module) -> list[str]:
     """The modules with a backward hook (register_full_backward_hook, ..._pre_hook): a graph that traces into a module
     holds no hook of its, so the hook runs only where the module is called as a whole ("" is the model itself)."""
@@ -200,7 +222,7 @@ def exporting() -> Iterator[list[FunctionCall]]:
 
 def calls_restored(root: fx.GraphModule, calls: list[FunctionCall]) -> None:
     """The exported graph calls each Function again where export recorded the custom op (its getitems stay: the call
-    returns a list), also in the subgraphs of its no_grad and autocast regions."""
+    returns a list), also in the subgraphs of its no_grad and autocast regions (Note [Function.apply traced into])."""
     for module in root.modules():
         found = module.graph.find_nodes(op="call_function", target=torch.ops.autopipe.autograd_function.default) \
             if isinstance(module, fx.GraphModule) else []

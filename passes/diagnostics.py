@@ -40,7 +40,8 @@ class ModuleCastRefused(TraceError):
 
 class BatchSpecialised(TraceError):
     """The model's Python fixes or bounds the batch size, so no graph runs every micro-batch size: trace it again
-    with ``static_batch=<rows>`` once per micro-batch size. ``errors`` holds each route's ``(route, exception)``."""
+    with ``static_batch=<rows>`` once per micro-batch size (Note [batch-specialised models]). ``errors`` holds each
+    route's ``(route, exception)``."""
 
     def __init__(self, message: str, errors: list[tuple[str, BaseException]], batch_size: int):
         super().__init__(message)

@@ -48,7 +48,7 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
                       dynamic_batch: bool = True) -> ExportedGraph:
     """``model`` called with ``bound`` (its forward's bound arguments) as a flat graph. Dim 0 of each tensor with
     ``batch_size`` rows is one dynamic dimension, unless not ``dynamic_batch``. Raises ExportRouteError."""
-    if hooked := backward_hooked(model):
+    if hooked := backward_hooked(model):  # Note [module backward hooks]
         raise ExportRouteError(f"module {hooked[0] or type(model).__name__!r} has a backward hook "
                                f"(register_full_backward_hook): torch.export records the forward alone, and the hook "
                                f"would never run; fx keeps such a module whole (make the model fx-traceable), or "
@@ -137,13 +137,15 @@ def export_flat_graph(model: nn.Module, bound: dict[str, Any], batch_size: int, 
     return eg
 
 
+# Note [branches one way for every micro-batch]: a condition reading batch rows through any, all, max or min of
+# one value reduced to a single number has the whole batch's value of one micro-batch, so every micro-batch going
+# the traced way means the plain model goes it too. Through a sum or mean over the batch, a vector of such values,
+# or two of them (x.max() > y.min()) it need not: refused, naming the ops. Refused, not warned: a wrong way runs
+# other code, not other rounding. A graph of one static size has no batch symbol to tell by: refused too.
 def _not_one_way(guard: fx.Node, batch: set) -> str | None:
-    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None.
-    Its condition may read the batch through one any, all, max or min to a single number, whose value over the batch
-    is one micro-batch's, so every micro-batch going the traced way means the whole batch does; through a sum or mean
-    over the batch, or two such values (from two micro-batches), it need not. A random number goes either way at
-    random, unless rand is compared only with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``;
-    rand is in [0, 1))."""
+    """Why the branch a guard checks could go one way in every micro-batch and another in the plain model, or None
+    (Note [branches one way for every micro-batch]). A random number goes either way at random, unless rand is
+    compared only with a bound it never crosses (LayerDrop at 0: ``torch.rand([]) < 0.0``; rand is in [0, 1))."""
     seen, stack = {guard}, [guard]
     while stack:
         for a in stack.pop().all_input_nodes:
@@ -180,10 +182,14 @@ def _not_one_way(guard: fx.Node, batch: set) -> str | None:
     return None
 
 
+# Note [real values export computes]: the real values export computes beside the fake ones are wrong where they
+# come from parameters that require grad, or where the batch is dynamic (weight.sum() > 100 read False for a
+# weight of 160; an embedding read as NaN); conditions on inputs come out right. So the graph runs once on the
+# example at compile, and a branch its own example goes the other way in is refused there, not at the first step.
+# A model on meta has no values to go by; a condition on a random draw goes either way at random: both refused.
 def _example_goes_the_traced_way(gm: fx.GraphModule, example: tuple[torch.Tensor, ...]) -> None:
-    """Runs the graph on the example itself: export's real values misread some conditions (torch 2.13 reads parameters
-    as other values where they require grad or the batch is dynamic), and a graph its own example goes the other way in
-    would stop every step. (trace puts back the RNG and the buffers this run touches.)"""
+    """Runs the graph on the example itself: a graph its own example goes the other way in would stop every step (Note
+    [real values export computes]). (trace puts back the RNG and the buffers this run touches.)"""
     try:
         with torch.no_grad():
             gm(*example)
@@ -195,10 +201,13 @@ def _example_goes_the_traced_way(gm: fx.GraphModule, example: tuple[torch.Tensor
                                    f"values (torch.where, torch.cond)") from e
 
 
+# Note [export's partial graph on stderr]: torch prints the partial graph of a failed export to stderr
+# (export/_trace.py); on the way to a second attempt that is noise the user cannot act on, so stderr is passed on
+# without it.
 def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ...],
               shapes: tuple) -> torch.export.ExportedProgram:
     """torch.export's program; what it prints to stderr is passed on, but for the partial graph of a failed export
-    (export/_trace.py)."""
+    (Note [export's partial graph on stderr])."""
     said, graph = io.StringIO(), ""
     try:
         with module_state_kept(model), warnings.catch_warnings(), contextlib.redirect_stderr(said):
@@ -214,12 +223,15 @@ def _exported(model: nn.Module, root: nn.Module, example: tuple[torch.Tensor, ..
 _OTHER_WAY = "autopipe: a micro-batch goes the other way"  # how a kept check's message starts
 
 
+# Note [branches taken the example's way]: where fx and export both stop at a branch on a tensor's value, we
+# export again with real values beside the fake ones (draft_export's mode): a guard on an unbacked symbol takes
+# the example's value, and ShapeEnv turns it into a deferred runtime assert. This log filter hears each decision
+# while it is made, so the Python stack is the model's: that names the branch's line. Those asserts stay in the
+# graph with that line in their message (export's other checks are dropped); partition never replicates them.
 class BranchesTaken(logging.Filter):
-    """Export with real tensors beside the fake ones (torch.export.draft_export's mode): a branch on a tensor's value
-    goes the way the example's value goes, and export keeps the condition in the graph as a runtime assert
-    (symbolic_shapes.py, ShapeEnv._evaluate_expr). This filter hears ShapeEnv's warning at each such decision, inside
-    it, so the stack is the model's: where the branch is. The asserts are kept, each micro-batch checking that it goes
-    the way the graph holds (docs/architecture.md, "Branches on values")."""
+    """Export with real tensors beside the fake ones (Note [branches taken the example's way]): this filter hears
+    ShapeEnv's warning at each decision (symbolic_shapes.py, ShapeEnv._evaluate_expr), and ``where`` names each
+    unbacked symbol's branch; the kept asserts make each micro-batch check that it goes the way the graph holds."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

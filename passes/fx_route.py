@@ -32,6 +32,7 @@ def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable
                          f"it on a submodule, or on a tensor (tensor.register_hook)")
 
     # keeps the user's chosen modules (types or qualified names) whole, and those whose backward hooks must run
+    # (Note [module backward hooks])
     class LeafTracer(fx.Tracer):
         def create_node(self, *args, **kwargs) -> fx.Node:  # the model's line in every pass's messages (node_where)
             node = super().create_node(*args, **kwargs)
@@ -61,11 +62,17 @@ def trace_fx(model: torch.nn.Module, traced: TracedModel, leaf_modules: Iterable
 _FX_TRACING = threading.Lock()
 
 
+# Note [what an fx graph loses]: fx records only ops on proxies. A torch.no_grad() region or an autocast switch
+# vanishes (its ops would be differentiated, or run in float32); an in-place op whose arguments are all real
+# (self.running.mul_(0.9)) runs once, at trace time, and is not in the graph; a random op with no traced argument
+# (x + torch.randn(3)) is drawn once and frozen into a constant. We watch grad-mode and autocast switches, the
+# version counters of parameters and buffers, and random kernels that really run; any of them fails the fx route,
+# and torch.export, which keeps all three, traces the model instead.
 @contextlib.contextmanager
 def _what_fx_cannot_record(model: torch.nn.Module):
-    """What vanishes from an fx graph (docs/architecture.md, "Pitfalls measured"): grad-mode and autocast switches,
-    in-place writes of parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields
-    the list of what was lost, filled on exit."""
+    """What vanishes from an fx graph (Note [what an fx graph loses]): grad-mode and autocast switches, in-place
+    writes of parameters and buffers, and random draws (``torch.rand(n)``), all with no traced argument. Yields the
+    list of what was lost, filled on exit."""
     tracer_thread, switches, autocasts, draws, lost = threading.get_ident(), [], [], [], []
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(contextlib.__file__))
 

@@ -1,5 +1,6 @@
 """What tracing leaves as it found it: tracing runs the forward, which may assign attributes, write buffers or install
-hooks (docs/architecture.md, "Pitfalls measured"); each guard here puts one kind of state back."""
+hooks (Note [state the forward assigns], Note [hooks installed in the forward]); each guard here puts one kind of
+state back."""
 from __future__ import annotations
 
 import contextlib
@@ -45,13 +46,14 @@ def assigned_since(state: list[tuple[str, torch.nn.Module, dict, list[dict]]]) -
     return found
 
 
+# Note [hooks installed in the forward]: a library may install hooks inside the forward on its first call and mark
+# that in a model attribute (transformers 5 recording hidden_states). Tracing puts the attribute back, so it must
+# also take those hooks off after every trace attempt: else a failed fx attempt's hooks stay while the mark is
+# gone, and the export attempt installs them a second time (more hidden states recorded than the model has).
 @contextlib.contextmanager
 def hooks_kept(model: torch.nn.Module):
-    """Every module's hook tables, and torch's global module hooks, put back as tracing found them. A library may
-    register hooks inside the forward, once, on its first call (transformers 5 records ``hidden_states`` this way,
-    marking the model as hooked in an attribute that tracing puts back): each trace then starts from the model as the
-    user left it, as its first call would, instead of from a failed attempt's half (the hooks twice, the mark gone: 5
-    hidden states of 3)."""
+    """Every module's hook tables, and torch's global module hooks, put back as tracing found them: each trace starts
+    from the model as the user left it, as its first call would (Note [hooks installed in the forward])."""
     tables = [table for m in model.modules() for name, table in vars(m).items() if "hooks" in name
               and isinstance(table, dict)]
     tables += [t for name, t in vars(torch.nn.modules.module).items() if name.startswith("_global_")
@@ -66,11 +68,16 @@ def hooks_kept(model: torch.nn.Module):
                 table.update(entries)
 
 
+# Note [state the forward assigns]: tracing runs the forward, and an assignment in it (self.last = x,
+# self.steps = self.steps + 1) would change the user's model: fx leaves a Proxy or a trace-time constant there,
+# and non-strict export puts buffers back but leaves a FakeTensor in a new plain attribute. So every run of the
+# forward puts back every module's attributes and tables. flat_root names what the forward assigned as it returns:
+# export restores attributes before it returns, so a later look misses them. fx refuses an assignment, export
+# computes with it, and compile warns that the model keeps its old value.
 @contextlib.contextmanager
 def module_state_kept(model: torch.nn.Module):
-    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them: tracing runs
-    the forward, and an assignment in it (``self.steps = self.steps + 1``, ``self.cache = x``) would leave a trace-time
-    value, an fx Proxy or a FakeTensor in the model (flat_root's call names the assignments)."""
+    """Every module's attributes and parameter, buffer and submodule tables put back as tracing found them (Note [state
+    the forward assigns]; flat_root's call names the assignments)."""
     state = module_state(model)
     try:
         yield

@@ -107,7 +107,8 @@ def _starts_as(cut_of: Plan, order: list[fx.Node], groups: dict[fx.Node, list[fx
 
 def _groups(every: list[fx.Node], free: set[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, list[fx.Node]]]:
     """The units the solver places, in order: a getitem of a tuple (qkv.split(...)[0]) joins its producer's group, so
-    no tuple carrying its autograd graph crosses a cut; and a value of varying size joins its readers'."""
+    no tuple carrying its autograd graph crosses a cut; and a value of varying size joins its readers'. Replicated
+    nodes (``free``) are in no group (Note [replicated nodes own no stage])."""
     group_of: dict[fx.Node, fx.Node] = {}
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in (n for n in every if n not in free):
@@ -122,8 +123,8 @@ def _groups(every: list[fx.Node], free: set[fx.Node]) -> tuple[list[fx.Node], di
 def _varying_sizes_kept_whole(order: list[fx.Node], groups: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
     """The groups from a value whose size depends on values (trace's "data_dependent": x[mask]) to its last reader
     become one: no cut carries it, as no receiver could size it ahead (its size differs between micro-batches and
-    steps). So do those from a tuple of tensors read whole (``torch.cat(h.unbind(0))``), which would cross without
-    gradients. ``groups`` is updated."""
+    steps; Note [sizes set by values]). So do those from a tuple of tensors read whole (``torch.cat(h.unbind(0))``),
+    which would cross without gradients. ``groups`` is updated."""
     index = {m: i for i, n in enumerate(order) for m in groups[n]}
     kept: list[fx.Node] = []
     end = -1
@@ -224,10 +225,14 @@ def _split_by_shares(weights: list[float], shares: list[float], n_stages: int) -
     return starts
 
 
+# Note [replicated nodes own no stage]: cheap nodes computed from the inputs alone (masks, position ids) are
+# recomputed by each stage that reads them rather than sent, and the solver sees only owned nodes: a run of
+# replicated nodes given to the solver once became an empty stage. A getitem of a tuple stays with its producer,
+# so only tensors cross cuts.
 def _replicable(gm: fx.GraphModule, weight_of: dict[fx.Node, float], outputs: set, n_stages: int,
                 kept: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> set[fx.Node]:
     """Cheap nodes of graph inputs and buffers only (masks, position ids), but none of ``kept``: each reading stage
-    recomputes them."""
+    recomputes them (Note [replicated nodes own no stage])."""
     budget = 0.01 * sum(weight_of.values()) / n_stages
     free: set[fx.Node] = set()
 

@@ -1,6 +1,10 @@
 """Codegen's random ops: how each node that draws gets the task's generator (``route``: a ``generator=`` keyword,
 random_ops' generator-taking function, or the call wrapped to draw from it), and the node that does so (``emit``).
-An op nothing can hand a generator raises UnroutedRandomOp."""
+An op nothing can hand a generator raises UnroutedRandomOp.
+
+Note [random ops bound at codegen]: the generated code passes the task's generator to each random op, so a
+stage runs as plain code. A TorchFunctionMode around a stage that routed the draws instead costs every op a
+Python call: a small GPT with dropout ran far slower than the plain step at one device, one micro-batch."""
 from __future__ import annotations
 
 import operator

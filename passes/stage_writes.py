@@ -50,13 +50,18 @@ def inputs_written(facts: InPlaceWrites, plan: Plan, sp: StagePlan, inputs: list
                               for root in (local_root(a) for w in body for a in facts.writes[w]) if root in input_set))
 
 
+# Note [buffers a module run whole writes]: a module called whole may write its buffers where the in-place
+# analysis cannot see (spectral norm's u and v, by a forward pre-hook or a parametrization): every micro-batch
+# would share them and a recompute iterate again. So every buffer of a module called whole that has forward
+# hooks, a parametrization, or is not torch's own as written counts as written: each task runs on its own copy
+# (Note [buffers written in place per task]).
 def running_buffers(stage: fx.GraphModule) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(every buffer the stage writes: training BatchNorms' statistics, also in modules run whole, and buffers written
-    by in-place ops; those of them no BatchNorm writes)."""
+    by in-place ops; those of them no BatchNorm writes: Note [buffers a module run whole writes])."""
     norms = [m for m in stage.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training]
     buffers = [b for m in norms if m.track_running_stats for b in m.buffers(recurse=False)]
     facts, written = find_inplace_writes(stage), []
-    # code the graph does not show may write its buffers: spectral_norm's power iteration
+    # code the graph does not show may write its buffers (Note [buffers a module run whole writes])
     for node in stage.graph.find_nodes(op="call_module"):
         module = stage.get_submodule(node.target)
         if any(m._forward_hooks or m._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(m)

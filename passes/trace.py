@@ -59,7 +59,8 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
         traced.notes.append(f"custom autograd.Functions kept whole, their own backward run: {listed(kept)}; autopipe "
                             f"sees the shapes of their inputs and outputs, not a statistic over the batch computed "
                             f"inside one")
-    # the graph holds a checkpoint without grad: right for these requires_grad flags only
+    # the graph holds a checkpoint without grad: right for these requires_grad flags only (Note [reentrant
+    # checkpoints inline])
     if not all(with_grad
                for _, with_grad in ran_inline):
         traced.grad_flags = grad_flags(model, traced.flat_inputs(args, kwargs or {}))
@@ -75,12 +76,15 @@ def trace(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: dict[str, An
     return traced
 
 
+# Note [randomness drawn outside torch]: NumPy's and Python's random draws in the forward (wav2vec2's SpecAugment
+# masks) happen once, while tracing, and would be baked into the graph: the global-state guard sees the generator
+# move and trace refuses. A library that draws once when first imported inside the forward (jax's
+# k8s_cluster.py, reached lazily from transformers) moves it too, so trace traces again and refuses only a
+# generator that moves again.
 def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_again: Callable[[], Any]) -> list[str]:
     """NumPy's and Python's generators that moved while tracing and move again in a second trace: the forward's own
-    draws, which the graph would freeze. A draw made once per process is not the forward's: a module imported for the
-    first time inside the forward that draws at import (jax's k8s_cluster.py runs np.random.rand(5)), a cache
-    filled on the first call. The second trace runs only where a generator moved, under the same guards; both put the
-    generators back."""
+    draws, which the graph would freeze (Note [randomness drawn outside torch]). The second trace runs only where a
+    generator moved, under the same guards; both put the generators back."""
     moved = [name for name in restored if name in ("NumPy random", "Python random")]
     if not moved:
         return []
@@ -90,6 +94,10 @@ def _drawn_on_every_call(model: torch.nn.Module, restored: list[str], trace_agai
     return [name for name in moved if name in guard.restored]
 
 
+# Note [batch-specialised models]: a model whose Python specialises on the batch size (a diffusion UNet
+# broadcasting its timestep) fails export with a dynamic batch dim ("Constraints violated"), yet exports at a
+# static micro-batch shape. So trace raises BatchSpecialised and compile traces the model once per micro-batch
+# size it will run at (static_batch), each a program of its own.
 def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedModel:
     signature = inspect.signature(model.forward)
     try:
@@ -122,7 +130,7 @@ def _trace(model, args, kwargs, leaf_modules, route, static_batch) -> TracedMode
                 raise refused from None  # every route would meet it
             errors.append((name, e))
     else:
-        if static_batch is None and specialises_batch(errors[-1][1]):
+        if static_batch is None and specialises_batch(errors[-1][1]):  # Note [batch-specialised models]
             raise BatchSpecialised(explain_failures(model, errors, batch), errors, batch) from errors[-1][1]
         raise TraceError(explain_failures(model, errors)) from errors[-1][1]
     traced.notes = [f"{name} failed: {type(e).__name__}: {first_line(e)}" for name, e in errors] + traced.notes
@@ -266,11 +274,17 @@ def _grown(gm: fx.GraphModule, flat_inputs: Sequence[torch.Tensor], batch: int) 
             n.meta["val"] = val
 
 
+# Note [static graphs one row larger]: a graph traced at one static micro-batch size cannot run at another, so
+# it has no run one row larger to read batch facts from. The model is exported again one row larger: where the
+# two graphs have the same nodes, the facts come from the pair, and a node whose literals differ has the batch
+# size written in ("batch_literal"); where they differ (a loop over the samples) only dim 0 = batch is known and
+# any literal may be the batch size ("literals_unknown").
 def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, whole: dict[str, Any], batch: int,
                                  rows: int) -> dict[fx.Node, Any] | None:
     """Each node's value in the model exported again at ``rows + 1`` static rows, or None where that fails or the two
     graphs differ in more than their literals: a graph of one static size cannot run at another, and a second export
-    gives it the dynamic graph's batch facts. Marks node.meta "batch_literal" where a literal differs."""
+    gives it the dynamic graph's batch facts (Note [static graphs one row larger]). Marks node.meta "batch_literal"
+    where a literal differs."""
     arguments = _batch_rows(whole, batch, rows + 1)
     try:
         with hooks_kept(model):
@@ -290,10 +304,15 @@ def _static_graph_one_row_larger(model: torch.nn.Module, gm: fx.GraphModule, who
     return {a: b.meta.get("val") for a, b in pairs}
 
 
+# Note [sizes set by values]: the fake mode has a shape env, so a size set by values (x[mask], nonzero, .item())
+# is an unbacked symbol rather than an error; its node gets "data_dependent" (and "selected_rows" where the rows
+# are one dim). Once the batch facts are read it is made concrete at the symbol's upper bound (x[mask]: every
+# row) for cost and partition. Partition keeps such a value and its readers in one stage: a receiver sizes its
+# buffer ahead of the message.
 def _bound_data_dependent_sizes(traced: TracedModel) -> None:
     """A value whose size depends on the values of its inputs (x[mask], nonzero: u0 rows, known to lie in [0, rows])
     gets its largest size, for the passes that cost and cut it; node.meta "data_dependent" says it has no fixed size,
-    and partition keeps it inside one stage."""
+    and partition keeps it inside one stage (Note [sizes set by values])."""
     found = [n for n in traced.graph_module.graph.nodes if n.meta.get("data_dependent")]
     for n in found:
         n.meta["val"] = pytree.tree_map(_at_largest, n.meta["val"])

@@ -82,7 +82,7 @@ class TracedModel:
 
     def check_grad_flags(self, model: torch.nn.Module, flat_inputs: Sequence[torch.Tensor]) -> None:
         """A graph that holds a reentrant checkpoint run without grad (none of its inputs required grad) is the plain
-        model's only while no input or parameter changes requires_grad."""
+        model's only while no input or parameter changes requires_grad (Note [reentrant checkpoints inline])."""
         if self.grad_flags is not None and grad_flags(model, flat_inputs) != self.grad_flags:
             raise InputMismatch("an input or parameter changed requires_grad since the pipeline was compiled, and the "
                                 "model's reentrant torch.utils.checkpoint, whose inputs then needed no gradient, was "
@@ -173,7 +173,7 @@ def flat_root(model: torch.nn.Module, traced: TracedModel, fn) -> torch.nn.Modul
     does, whose forward takes one argument per tensor leaf of the call and calls ``fn`` (the model) as the call."""
     params = ", ".join(traced.input_names)
 
-    def call(tensors):  # assignments are seen here: export puts the attributes back before it returns
+    def call(tensors):  # assignments are seen here (Note [state the forward assigns])
         state = module_state(model)
         try:
             return traced._call_flat(fn, tensors)

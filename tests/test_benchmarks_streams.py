@@ -1,4 +1,4 @@
-"""Issue 30's benchmarks run here as smoke tests: ``gpu.py --slices`` on CPU workers (``--device cpu --tiny``) and
+"""The benchmarks of stages on streams and SM slices run here as smoke tests: ``gpu.py --slices`` on CPU workers (``--device cpu --tiny``) and
 ``host_cost.py --quick``. The numbers are not looked at, only what the output must hold: the summary lines in their
 exact form, the columns, the probe."""
 from __future__ import annotations

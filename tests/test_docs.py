@@ -1,5 +1,6 @@
-"""The README stays a newcomer's page that tells the truth (issue 33): short, its links live, every schedule and option
-named, every refusal it lists explained in docs/faithfulness.md, and its install line the distribution's real name."""
+"""The README stays a newcomer's page that tells the truth: short, its links live, every schedule and option
+named, every refusal it lists explained in docs/faithfulness.md, and its install line the distribution's real name.
+And the project's text carries no history: no issue numbers, no sittings of work."""
 import inspect
 import re
 from pathlib import Path
@@ -88,3 +89,28 @@ def test_install_line_names_the_distribution():
     assert "pip install autopipe" not in text
     for command in ("make demo", "make test"):
         assert command in text
+
+
+
+# The project's text speaks of the project; its history is in git log and docs/decisions/history.md, dated. The word
+# for a sitting of work is spelt in two pieces here, so that this file passes its own test.
+TEXTS = ["autopipe", "passes", "tests", "benchmarks", "examples", "zoo", "docs", "notes", ".ci", "README.md",
+         "Makefile", "pyproject.toml"]
+SITTING = "sess" + "ion"
+HISTORY_WORDS = re.compile(rf"\bissues?\s*#?\s*[0-9]+|{SITTING}", flags=re.I)
+PYTEST_API = re.compile(rf"""scope=["']{SITTING}["']|test {SITTING} starts""")  # pytest's own words
+
+
+def _texts() -> list[Path]:
+    paths = [p for top in TEXTS for p in ((ROOT / top).rglob("*") if (ROOT / top).is_dir() else [ROOT / top])]
+    return sorted(p for p in paths if p.is_file() and ".venv" not in p.parts and "__pycache__" not in p.parts
+                  and (p.suffix in (".py", ".md", ".sh", ".toml") or p.name in ("Makefile", "run")))
+
+
+def test_no_issue_numbers_nor_sittings_of_work_in_code_or_docs():
+    """No issue numbered and no sitting of work named anywhere in code, tests, benchmarks, CI or docs
+    (docs/decisions/history.md too, which is dated instead); words wrapped across two lines count as well."""
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in _texts()
+             for m in HISTORY_WORDS.finditer(PYTEST_API.sub("", re.sub(r"\s+", " ", p.read_text())))]
+    assert len(_texts()) > 100  # the walk
+    assert found == []

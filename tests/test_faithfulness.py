@@ -1,4 +1,4 @@
-"""Issue 13's failure classes, each on a real model: the plain model's gradients, or a clear refusal."""
+"""The classes of failure a pipeline can meet, each on a real model: the plain model's gradients, or a clear refusal."""
 import copy
 import re
 import warnings
@@ -329,7 +329,7 @@ def test_gradients_accumulate_over_backwards_and_gradient_accumulator_hooks_run_
     """Without zero_grad two backwards add up as in the plain model. A hook on a parameter's AccumulateGrad node
     (DDP's reducer and DeepSpeed/Megatron register theirs there; Python cannot see them) and a post-accumulate hook
     run once per backward on the whole gradient, never per micro-batch: a stage's backward must not accumulate into
-    ``.grad`` itself (docs/architecture.md, pitfalls)."""
+    ``.grad`` itself (Note [gradients through the engine])."""
     torch.manual_seed(0)
     model, x = MLP().double(), torch.randn(16, 8, dtype=torch.float64)
     plain = copy.deepcopy(model)

@@ -331,8 +331,8 @@ def test_llama_trace_and_cost_inside_the_guard_leave_grad_mode_on():
 
 @pytest.mark.parametrize("route", ["fx", "export"])
 def test_compiling_inside_autocast_leaves_no_fake_cast_in_its_cache(route):
-    """Note [autocast cache]: the passes' fake runs would leave FakeTensor casts of the real parameters in the cache
-    of the caller's autocast region, which the caller's own next op on a parameter then returns."""
+    """The passes' fake runs would leave FakeTensor casts of the real parameters in the cache of the caller's autocast
+    region, which the caller's own next op on a parameter then returns (Note [autocast cache])."""
     import torch.nn.functional as F
 
     import autopipe

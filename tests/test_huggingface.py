@@ -120,7 +120,7 @@ def test_gpt2_trains_with_dropout_through_the_pipeline():
         runs.append(losses)
     # Seeded reproducibility is asserted bitwise on our own GPT (tests/test_compile.py). For GPT-2 it
     # held in every run but one of ~30, under heavy load, where the first losses differed by 1e-4
-    # relative: an open issue (see the closing note); here only that training runs and learns.
+    # relative, a cause not found; here only that training runs and learns.
     assert all(math.isfinite(loss) for run in runs for loss in run), runs
     assert runs[0][-1] < runs[0][0] and runs[1][-1] < runs[1][0]
 
@@ -145,7 +145,7 @@ def test_deferred_batch_norm_tracks_statistics_over_the_whole_mini_batch():
             assert a.item() == b.item() == 2, n
 
 
-# -- issue 34: outputs recorded by hooks transformers installs in the forward; means over labels not ignored ------
+# -- outputs recorded by hooks transformers installs in the forward; means over labels not ignored ---------------
 
 def tiny_llama():
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -1,10 +1,12 @@
 """The layout docs/architecture.md promises: no import cycle among the modules of autopipe/ and passes/ (every import
 counts, also one inside a function or under TYPE_CHECKING), layers that point one way, no private name imported across
 modules, no module over 400 lines nor function over 100, messages raised of at most 300 characters, every module
-named in the reading order, and every package installed."""
+named in the reading order, every package installed, every named note defined once in the code and every citation of
+one (or of a section of architecture.md) pointing at something that is there."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +127,11 @@ def test_architecture_names_every_module():
     assert unnamed == []
 
 
+def test_architecture_is_a_design_document_of_at_most_25k_characters():
+    """The design a newcomer finishes: the history is in docs/decisions/, the reasons beside the code as notes."""
+    assert len((ROOT / "docs" / "architecture.md").read_text()) <= 25_000
+
+
 def private_names_used(name: str, path: Path, known: set[str]) -> list[str]:
     """Another module's private names ``name`` reaches: ``from m import _x`` and ``m._x`` (m bound by an import) where m
     is one of autopipe's modules. ``_x`` private: one leading underscore, not a dunder."""
@@ -195,3 +202,50 @@ def test_pyproject_installs_every_package_and_reads_the_one_version():
     assert sorted(packages - set(config["tool"]["setuptools"]["packages"])) == []
     assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
     assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "autopipe.__version__"}
+
+
+
+# A named note: "# Note [name]: why" beside the code it guards (or a paragraph of a module's docstring); a citation
+# elsewhere is the name without the colon. Lines are joined first, as a name may wrap in a comment or a docstring.
+NOTE = re.compile(r"Note\s+\[([^\]]+)\](:?)")
+TEXTS = ["autopipe", "passes", "tests", "benchmarks", "examples", "zoo", "docs", "notes", ".ci", "README.md"]
+
+
+def project_texts(suffixes: tuple[str, ...] = (".py", ".md", ".sh")) -> list[Path]:
+    """The project's code and documents: every file of these suffixes under TEXTS, none of a virtual environment."""
+    paths = [p for top in TEXTS for p in ((ROOT / top).rglob("*") if (ROOT / top).is_dir() else [ROOT / top])]
+    return sorted(p for p in paths if p.suffix in suffixes and p.is_file() and ".venv" not in p.parts)
+
+
+def notes_written() -> list[tuple[str, str, bool]]:
+    """(file, name, whether it defines the note) for every named note written in the project; in Markdown, an inline
+    code span is an example of the syntax, not a citation."""
+    found = []
+    for path in project_texts():
+        text = re.sub(r"\n[ \t]*(?:#[ \t]*)?", " ", path.read_text())
+        if path.suffix == ".md":
+            text = re.sub(r"`[^`]*`", "", text)
+        found += [(str(path.relative_to(ROOT)), re.sub(r"\s+", " ", m.group(1)), bool(m.group(2)))
+                  for m in NOTE.finditer(text)]
+    return found
+
+
+def test_every_note_is_defined_once_in_the_code_and_every_citation_resolves():
+    written = notes_written()
+    defined: dict[str, list[str]] = {}
+    for file, name, defines in written:
+        if defines:
+            defined.setdefault(name, []).append(file)
+    assert {name: files for name, files in defined.items() if len(files) > 1} == {}
+    assert [f"{file}: {name}" for file, name, defines in written if defines and not file.endswith(".py")] == []
+    assert sorted({f"{file}: {name}" for file, name, _ in written if name not in defined}) == []
+    assert len(defined) >= 70  # the parse: the notes the code holds
+
+
+def test_every_section_of_architecture_cited_exists():
+    """A citation ``docs/architecture.md, "Tasks"`` names one of its headings (or the start of one)."""
+    headings = re.findall(r"^#+ (.*)$", (ROOT / "docs" / "architecture.md").read_text(), flags=re.M)
+    cited = [(str(path.relative_to(ROOT)), section) for path in project_texts((".py", ".md"))
+             for section in re.findall(r"architecture\.md\)?,? \"([^\"]+)\"", re.sub(r"\s+", " ", path.read_text()))]
+    assert len(cited) >= 10  # the parse
+    assert [f"{file}: {section}" for file, section in cited if not any(h.startswith(section) for h in headings)] == []

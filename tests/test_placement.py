@@ -1,4 +1,4 @@
-"""Placement without a GPU (issue 29): what differs when a stage's device is not the device the model was traced on.
+"""Placement without a GPU: what differs when a stage's device is not the device the model was traced on.
 
 A model traced here on the CPU is compiled for stages on ``meta`` (and, for a tied weight, a CPU stage beside a meta
 one). Each stage then runs under FakeTensorMode with every tensor it reads where compile's ``placement`` puts it,

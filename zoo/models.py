@@ -561,7 +561,7 @@ def transformer_like(d: int = 512, hidden: int = 2048, blocks: int = 8, seed: in
     s/step, 1.02x (M=8), 1.33x (M=32). No size reaches both ~0.1-0.3 s/step and free micro-batching at M=32: a
     32-row micro-batch re-reads each weight matrix once per micro-batch (4 MiB per 512x2048 Linear, more than the
     1 MiB L2), and per-op overhead (~10-20 us per op, ~20 ops per block forward+backward) grows with M. The
-    defaults keep the D=512, H=2048 shape of the reference numbers in docs/architecture.md (pitfalls)."""
+    defaults keep the D=512, H=2048 shape of the reference numbers in docs/decisions/history.md (2026-11-23)."""
     return init_weights(TransformerLike(d, hidden, blocks), seed)
 
 

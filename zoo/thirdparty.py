@@ -5,9 +5,12 @@ Configs are tiny (hidden 32, 2 layers, sequences of 16, images of 32x32, batch 8
 ``autopipe.verify`` runs in a few seconds on two cores. Hugging Face models come in ``eval()`` (dropout off;
 BatchNorm on its running statistics) unless the name ends in ``_train``.
 
-torchvision cannot be imported here (its PyPI build is CUDA-only beside the CPU torch), so the MobileNetV3
-is written out below in torchvision's own structure: in-place Hardswish/ReLU, squeeze-and-excitation, and
-``result += input`` on the residual.
+The MobileNetV3 is written out below in torchvision's own structure: in-place Hardswish/ReLU,
+squeeze-and-excitation, and ``result += input`` on the residual.
+
+Note [torchvision from PyPI]: torchvision from the registry is a CUDA build whose compiled ops fail to load
+beside the CPU torch ("operator torchvision::nms does not exist"), and with it timm and diffusers models that
+import it. The zoo uses transformers and models written here (MobileNetV3 written out).
 """
 from __future__ import annotations
 

@@ -99,8 +99,8 @@ def _described(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def _same_parameters(first: _RankProgram, plan, arguments: list[tuple[str, str]]) -> None:
-    """Note [one cut for every shape]: refused where a new shape's stages would hold other parameters than the first
-    shape's (its graph is not the first one's, so its cut could not be kept)."""
+    """Refused where a new shape's stages would hold other parameters than the first shape's (its graph is not the
+    first one's, so its cut could not be kept: Note [one cut for every shape])."""
     for a, b in zip(first.program.plan.stages, plan.stages):
         if set(a.params) != set(b.params):
             moved = sorted(set(a.params) ^ set(b.params))[0]
@@ -150,8 +150,10 @@ class DistributedPipeline(torch.nn.Module):
                                                                        options.virtual_stages))
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.pipeline_groups = [dist.new_group(ranks) for ranks in self.layout.pipelines]
-        # NCCL runs a pair's messages in posting order, both directions: messages to a lower rank get groups of their
-        # own (architecture.md)
+        # Note [one direction per NCCL group]: NCCL runs a pair's messages in posting order on one stream, in both
+        # directions, so a receive posted ahead would block the sends it waits for. Messages to a lower rank travel
+        # in process groups of their own, and each (pair, group) carries one direction, its receives posted in the
+        # sender's order.
         nccl = "nccl" in str(dist.get_backend())
         self.downward_groups = [dist.new_group(r) for r in self.layout.pipelines] if nccl else self.pipeline_groups
 

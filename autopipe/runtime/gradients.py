@@ -21,9 +21,14 @@ def differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+# Note [gradients through the engine]: a stage never adds into .grad itself. Doing so where the caller's backward
+# is a plain backward() saved a little of the step, but a hook on a parameter's AccumulateGrad node (DDP's reducer,
+# DeepSpeed's and Megatron's gradient hooks) then ran once per micro-batch plus once with no gradient, and Python
+# cannot see such hooks to avoid them. pipe.step hands its sums to AccumulateGrad through the engine too.
 class _Deliver(torch.autograd.Function):
     """A step's gradients handed to the autograd engine, as pipe(x)'s Function hands them: each parameter's hooks
-    run once, on its whole gradient, then AccumulateGrad and the post-accumulate hooks, as in the plain model."""
+    run once, on its whole gradient, then AccumulateGrad and the post-accumulate hooks, as in the plain model (Note
+    [gradients through the engine])."""
 
     @staticmethod
     def forward(ctx, grads: list, *params: torch.Tensor):
@@ -40,10 +45,10 @@ class _Deliver(torch.autograd.Function):
 
 def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
     """``pipe.step``: a step's (parameter, gradient) pairs added into ``.grad`` as ``loss.backward()`` would: through
-    the engine, so each hook runs once on the whole gradient, those on a parameter's AccumulateGrad node too (DDP's
-    reducer registers there; Python cannot see them). A CUDA parameter without a hook Python sees is added to directly,
-    the path that has run on a GPU. ``pairs`` is emptied: AccumulateGrad copies a gradient anything else still holds
-    (accumulate_grad.h), ~20 ms a step for transformer_like's 12M parameters a rank on the CPU."""
+    the engine, so each hook runs once on the whole gradient, those on a parameter's AccumulateGrad node too (Note
+    [gradients through the engine]). A CUDA parameter without a hook Python sees is added to directly, the path that
+    has run on a GPU. ``pairs`` is emptied: AccumulateGrad copies a gradient anything else still holds
+    (accumulate_grad.h): a copy of each gradient a step (benchmarks/distributed.py times the step)."""
     taken = [(p, g) for p, g in pairs if g is not None]
     pairs.clear()
     if any(p.device.type == "cpu" or p._backward_hooks or p._post_accumulate_grad_hooks for p, _ in taken):
@@ -57,7 +62,14 @@ def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]
             p.grad = g if p.grad is None else p.grad.add_(g)
 
 
+# Note [gradient sums in place]: a micro-batch's parameter gradient is added in place into the running sum only
+# where nothing else holds it or its memory (CPU, contiguous, Python and storage reference counts: AccumulateGrad's
+# own rule, accumulate_grad.h); one the engine passed through (the loss's own) is summed into a new tensor. The
+# sums reach AccumulateGrad with no other reference, so .grad is the sum itself, not a copy. Adding each gradient
+# in a tensor hook as the engine makes it was faster in one process but meant hooks on the user's parameters.
 def add_param_grads(mine: Any, grads: tuple) -> None:
+    """A task's parameter gradients added to the step's sums (``mine``: its StageStep), in task order (Note [gradient
+    sums in place])."""
     if not mine.param_grads:  # the step's first backward: its gradients as they are
         mine.param_grads, mine.owned = list(grads), [False] * len(grads)
         return
@@ -75,11 +87,10 @@ def add_param_grads(mine: Any, grads: tuple) -> None:
 
 def _held_only_by(grads: list, k: int) -> bool:
     """Whether nothing but ``grads`` holds ``grads[k]`` or its memory: a gradient the engine made for this step alone,
-    which the sums may then add to in place, as AccumulateGrad steals a gradient no one else holds
-    (torch/csrc/autograd/functions/accumulate_grad.h). A gradient the engine passed through (an output's own gradient,
-    an input's, a tensor a custom Function returned) is held elsewhere too and is never written. Measured on the CPU:
-    the sum's fresh allocation costs a page fault per 4 KiB, ~4% of a transformer's step over 2 ranks. Not on a GPU,
-    where a copy stream may still read a tensor Python let go of (record_stream), and allocation is cached."""
+    which the sums may then add to in place (Note [gradient sums in place]). A gradient the engine passed through (an
+    output's own gradient, an input's, a tensor a custom Function returned) is held elsewhere too and is never
+    written. On the CPU only, where a fresh sum costs a page fault per 4 KiB (benchmarks/distributed.py times the
+    step); on a GPU a copy stream may still read a tensor Python let go of (record_stream), and allocation is cached."""
     g = grads[k]
     if g.device.type != "cpu" or sys.getrefcount(g) != 3 or g._use_count() != 1:  # 3: grads, g, the argument
         return False

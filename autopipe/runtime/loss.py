@@ -1,5 +1,5 @@
 """The user's loss in ``pipe.step``: run per micro-batch on the last stage, right after its forward, and weighted so
-that the micro-batches' losses add up to the plain model's loss (docs/architecture.md, "Losses").
+that the micro-batches' losses add up to the plain model's loss (docs/architecture.md, "A step in process").
 
 A mean over samples weighs each micro-batch by its share of the rows. A mean-reduced cross-entropy or NLL loss
 divides by the targets it does not ignore (``ignore_index=-100``, class weights): each such call inside ``loss_fn``

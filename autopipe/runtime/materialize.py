@@ -160,6 +160,9 @@ def keep_persistence(stages: Iterable[torch.nn.Module], model: torch.nn.Module) 
                     module._non_persistent_buffers_set.add(name)
 
 
+# Note [meta weights seeded by name]: a rank materialises only its stages' tensors, swapped by identity so ties
+# survive. Only the module owning a tensor's canonical name is reset, with a generator seeded from that name, so
+# every rank that holds a tied weight initialises it alike.
 @contextlib.contextmanager
 def _seeded_by(name: str):
     """The generators seeded from a module's name, restored afterwards: every rank initialises a module alike (tied
@@ -172,9 +175,9 @@ def _seeded_by(name: str):
 
 
 def initialise(model: torch.nn.Module, born: list[torch.Tensor], stage_modules: list, rank: int) -> None:
-    """The tensors made from meta get values: each owner module's ``reset_parameters`` (seeded by its name); a
-    non-persistent buffer the value its constructor gives (:func:`constructed_buffers`), or a refusal naming it. The
-    values land in the tensors the stages read, even where an init assigns new tensors."""
+    """The tensors made from meta get values: each owner module's ``reset_parameters`` (Note [meta weights seeded by
+    name]); a non-persistent buffer the value its constructor gives (:func:`constructed_buffers`), or a refusal naming
+    it. The values land in the tensors the stages read, even where an init assigns new tensors."""
     ids = {id(t) for t in born}
     names = {id(t): n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if id(t) in ids}
     orphans = [n for m in stage_modules for n, t in m.named_buffers(recurse=False) if id(t) in ids and id(t) not in

@@ -62,12 +62,14 @@ class MemoryReport:
     __repr__ = __str__
 
 
+# Note [saved-tensor hooks chain]: only the innermost pair of saved-tensor hooks runs, so the memory counter
+# chains to the caller's own hooks (save_on_cpu) instead of shadowing them.
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the distinct storages autograd saves inside the ``with`` block, except ``exclude`` (the
     storage pointers of the stage's parameters: weights, and views of them like weight.t(), are resident)."""
 
     def __init__(self, exclude: set[int]):
-        # the caller's hooks (save_on_cpu) are chained, not shadowed: only the innermost pair of hooks runs
+        # the caller's hooks (save_on_cpu) are chained, not shadowed (Note [saved-tensor hooks chain])
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         super().__init__(self._pack, self.outer[1] if self.outer else lambda t: t)
         self.exclude = exclude

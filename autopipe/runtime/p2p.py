@@ -17,6 +17,9 @@ from .gradients import sum_grads
 from .wire import Edge, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
+# Note [receives two tasks ahead]: a task's receives are posted two tasks before it runs: data lands while the
+# rank computes, yet a 1F1B rank holds buffers only for the micro-batches in flight (posting every receive up
+# front held all M).
 LOOKAHEAD = 2  # tasks whose receives are posted ahead of the one running
 
 
@@ -116,10 +119,15 @@ class P2PTransport(Transport):
             self._fail(err)
             raise
 
+    # Note [posting order per peer]: gloo matches messages by tag, unique per (value, micro-batch, direction, reader);
+    # NCCL ignores tags and matches per peer pair in posting order. So each rank posts its receives from a peer in the
+    # order that peer posts its sends, computed once per schedule from the schedule and the wire spec every rank
+    # shares (posting in this rank's own task order did not agree for a skip). A reader whose input got no gradient
+    # sends zeros, so the message pattern never depends on data.
     def _messages(self, schedule: Schedule) -> tuple[list[Task], list[Task], dict[tuple, tuple[int, list]], dict]:
         """This rank's tasks; those that read messages (F and B: a W reads none); per such task, its place among them
         and the messages it reads; what each peer sends this rank, in the order it posts those sends. A message is
-        ("F", value, mb) or ("B", value, mb, reader stage)."""
+        ("F", value, mb) or ("B", value, mb, reader stage); Note [posting order per peer]."""
         order = schedule.device_order(self.rank)
         reading = [t for t in order if t.kind != "W"]
         needs: dict[tuple, tuple[int, list]] = {}
@@ -264,9 +272,14 @@ class P2PTransport(Transport):
             except RuntimeError as err:
                 raise self._comm_error(what, peer, err) from err
 
+    # Note [failure ends every rank]: the first failure wins a compare-and-set on the store key "failed", wakes every
+    # rank's watchdog through wake/<rank> keys, then poisons its own gloo context (a 1 ms receive timeout makes gloo
+    # close every pair), so a blocked peer fails at once; over NCCL, ProcessGroup.abort(). A SIGKILLed rank writes
+    # nothing, but the kernel closes its sockets; a hung rank is caught only by timeout. Each step ends with a barrier
+    # after done/<step>/<rank> marks, so a broken barrier names the missing rank.
     def _poison(self) -> None:
         """Make gloo close every pair of this rank's context (a receive timing out after 1 ms does), so each peer
-        blocked on us fails now."""
+        blocked on us fails now (Note [failure ends every rank])."""
         with self._poison_lock:
             if self._poisoned or self.world < 2:
                 return

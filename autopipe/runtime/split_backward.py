@@ -6,7 +6,7 @@ the engine towards the inputs only, and a pre-hook on each *source* (a node of t
 subgraph that reaches only parameters: a Linear's ``AddmmBackward``) keeps the gradient arriving there; W runs the
 engine from those gradients towards the parameters, one call per group of parameters that share sources. Each node
 computes each of its outputs once, from the same gradients as in a fused backward, so both halves are bit for bit the
-fused backward's (``tests/runtime/test_split_backward.py``). Where this differs from torch's:
+fused backward's (``tests/runtime/test_split_backward.py``). Where this differs from torch's (Note [B and W]):
 
 - a stage output whose graph never reaches an input (``w * 2`` returned) is a source too (torch's loses its gradient);
 - groups are closed under shared sources (a union, not torch's first match), so no parameter is summed over two calls;
@@ -41,9 +41,14 @@ class _Group:
     kept: dict[int, tuple] = field(default_factory=dict)   # id(source) -> the gradients that arrived there in B
 
 
+# Note [memory held from B to W]: under a split schedule a stage's graph lives until its W, so the stage holds
+# its activations (recomputed ones included) and the gradients B keeps for W from B until W. The memory model
+# counts both; track_memory's report does not count the kept gradients yet. A full backward frees its
+# micro-batch at B (the in-flight count, the timeline's held and the memory model alike).
 @dataclass
 class WeightWork:
-    """What B leaves for W: the retained graph's roots, the kept gradients, and the gradients B already computed."""
+    """What B leaves for W: the retained graph's roots, the kept gradients, and the gradients B already computed
+    (Note [B and W])."""
 
     roots: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -74,6 +79,11 @@ class WeightWork:
         return grads
 
 
+# Note [B and W]: B runs the engine towards the stage inputs only; a pre-hook on each node where a parameter's
+# subgraph leaves the input path keeps the gradient arriving there. W runs the engine from those gradients, one
+# call per group of parameters sharing such nodes; groups share no node, so each call frees what it ran. Unlike
+# torch's stage_backward_weight: an output whose graph never reaches an input is still differentiated, a weight
+# used at two depths of one stage is differentiated in B, and a stage whose inputs need no gradient does all in B.
 def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
                    params: list[torch.Tensor]) -> tuple[tuple, WeightWork]:
     """B: the gradients of ``inputs`` (each requiring grad), and the W still to run for ``params``."""

@@ -1,7 +1,6 @@
 """A step's execution in one process: the compiled programs, the autograd Function whose backward drives the
 stages' backward, the anchors that hand parameter gradients to the engine, and one mini-batch's run through them.
-The nn.Module a user holds is pipeline.py's Pipeline (docs/architecture.md, "Runtime": why not one graph across
-stages)."""
+The nn.Module a user holds is pipeline.py's Pipeline (why not one graph across stages: Note [anchors])."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,8 +61,8 @@ class Compiled:
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
-        """Every parameter a stage holds, once, in stage order (cached: walking the model per call costs
-        ~0.5 ms on a small GPT)."""
+        """Every parameter a stage holds, once, in stage order (cached: a walk over the model every call would be part
+        of each step's fixed cost, Note [a step's fixed cost is its lines])."""
         cached = getattr(self, "_parameters", None)
         if cached is None or cached[0] != len(self.programs):  # programs grow for new static sizes
             unique = {id(p): p for program in self.programs.values() for r in program.runners for p in r.params}
@@ -116,11 +115,16 @@ class _PipelineFunction(torch.autograd.Function):
         return (None, *input_grads, *[anchor.deliver(param_grads) for anchor in run.anchors])
 
 
+# Note [anchors]: the step's parameter gradients reach the engine through one persistent node per device whose
+# inputs are that device's trainable parameters: the pipeline Function's backward leaves them in the anchor's box,
+# tagged with the engine's graph task, and the engine takes them into AccumulateGrad, hooks and captures, only if
+# it will run the anchor (torch.autograd.grad(out, [x]) leaves nothing behind). Parameters as the Function's inputs
+# did the same at a cost per parameter per step. One graph across stages would serialise CPU backward.
 class _Anchor(torch.autograd.Function):
     """A persistent autograd node whose inputs are one device's trainable parameters, and whose output feeds every
     step's _PipelineFunction. A step's backward leaves the gradients in its box for the engine to take, tagged with
-    its graph task: parameters made inputs of _PipelineFunction instead would cost the engine ~2 us each, every step.
-    Built once per parameter list and current stream (the stream the engine orders the gradients on)."""
+    its graph task (Note [anchors]). Built once per parameter list and current stream (the stream the engine orders
+    the gradients on)."""
 
     @staticmethod
     def forward(ctx, box: "_Box", *params: torch.Tensor):
@@ -189,10 +193,9 @@ class Run:
         self.runners_all = sorted({id(r): r for p in self.programs for r in p.runners}.values(), key=lambda r: r.index)
         for r in self.runners_all:
             r.start_step(self.state)
-        # not nn.Module's __setattr__: ~3 us each
+        # not nn.Module's __setattr__ (Note [a step's fixed cost is its lines])
         vars(pipe).update(timeline=self.state.timeline, memory=self.state.memory or pipe.memory)
-        # One CPU worker with the caller's thread count has nothing to overlap: the calling thread runs
-        # its tasks, with the same numerics and no hand-off between threads.
+        # so does one CPU worker with the caller's thread count (Note [inline under a profiler or a mode])
         workers = pipe.workers
         alone = len(workers) == 1 and workers[0].device.type == "cpu" and \
             workers[0].intra_op_threads == torch.get_num_threads()
@@ -218,8 +221,12 @@ class Run:
                 for order in self.pipe.orders(schedule, kinds)]
         run_on_workers(self.pipe.workers, jobs, mailbox)
 
+    # Note [allocator peaks are the user's]: the allocator's peak statistics belong to the user, so the report never
+    # resets them: a step's peak is reported where the step raised the device's peak, and not otherwise. Stages on
+    # one GPU share one allocator, and the report says so.
     def _note_peaks(self) -> None:
-        """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak."""
+        """The caller's peak statistics are never reset: a step's CUDA peak is known where it raised the peak (Note
+        [allocator peaks are the user's])."""
         self.peaks_before = {} if self.state.memory is None else \
             {s.device: torch.cuda.max_memory_allocated(s.device)
              for s in self.compiled.stages if s.device.type == "cuda"}

@@ -16,9 +16,13 @@ from .memory import MemoryReport, StageMemory
 from .timeline import Timeline
 
 
+# Note [one generator per task]: the default CPU generator is one per process, so worker threads drawing from it
+# interleave by timing. Each stage has its own generator, seeded per (step seed, stage, micro-batch) by
+# SplitMix64's finaliser, so forward and recompute draw the same numbers and a seeded run is reproducible.
 def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
     """A seed per (step, stage, micro-batch): SplitMix64's finaliser (Steele et al. 2014) over a Weyl sequence, a few
-    integer ops where a blake2b digest cost a step ~25 us."""
+    integer ops rather than a digest (Note [one generator per task]; benchmarks/overhead.py measures a step's fixed
+    cost)."""
     z = (step_seed + 0x9E3779B97F4A7C15 * ((stage << 32) + micro_batch + 1)) & _U64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
@@ -28,10 +32,14 @@ def task_seed(step_seed: int, stage: int, micro_batch: int) -> int:
 _U64 = (1 << 64) - 1
 
 
+# Note [inline under a profiler or a mode]: the profiler records only threads it was started on (unless
+# profile_all_threads), and a user's TorchFunctionMode or TorchDispatchMode sees only its own thread. With one
+# active, the step runs inline on the calling thread in schedule order. So does one CPU worker whose thread count
+# is the caller's: nothing to overlap, no hand-off.
 @dataclass
 class Ambient:
     """The caller's thread-local state (autocast, inference mode, saved-tensor hooks), re-entered in every task.
-    A profiler or a user's TorchFunctionMode/TorchDispatchMode sees only its own thread: then the step runs inline."""
+    ``inline_reason``: why the step runs inline (Note [inline under a profiler or a mode])."""
 
     autocast: dict[str, tuple[bool, torch.dtype]]
     autocast_cache: bool
@@ -42,7 +50,8 @@ class Ambient:
 
     @classmethod
     def capture(cls, devices=()) -> "Ambient":
-        """Each query is a C call: a step reads them all, with its caches cold from the last step's kernels."""
+        """Each query is a C call: a step reads them all, with its caches cold from the last step's kernels (Note [a
+        step's fixed cost is its lines])."""
         reason = None
         if torch._C._autograd._profiler_enabled():
             reason = "a profiler is active"

@@ -1,8 +1,8 @@
 """One task: a stage's forward, re-materialisation or backward for one micro-batch, for every transport.
 
 Re-materialisation (GPipe sec. 2.3) runs the first forward with grad mode on, so the recompute repeats the
-same kernels on the same inputs with the same generator seed: bit for bit. Parameter gradients come from
-``torch.autograd.grad`` and are summed in schedule order. docs/architecture.md, "Runtime", has the why.
+same kernels on the same inputs with the same generator seed: bit for bit (Note [recompute under grad mode], Note [one
+generator per task]). Parameter gradients come from the engine and are summed in schedule order (runtime/gradients.py).
 """
 from __future__ import annotations
 
@@ -105,6 +105,9 @@ class StageRunner:
     def index(self) -> int:
         return self.stage.index
 
+    # Note [parameter hooks on an alias]: a parameter with a gradient hook is differentiated through a hook-free alias
+    # of the same storage, so the hook runs once, on the step's whole gradient (in the engine for pipe(x), through
+    # accumulate_grads for pipe.step), as in the plain model, not once per micro-batch.
     def start_step(self, step: StepState) -> None:
         if self._replica_slots:
             with torch.no_grad():
@@ -113,9 +116,8 @@ class StageRunner:
         if not step.training:
             step.stages[id(self)] = StageStep([], [], [])
             return
-        # A parameter with a gradient hook: the stage differentiates a hook-free alias (same storage), so the hook
-        # runs once, on the step's whole gradient (the engine for pipe(x), accumulate_grads for pipe.step).
-        # (map/compress: every parameter is looked at every step, in C loops)
+        # a hook-free alias per hooked parameter; map/compress: every parameter is looked at every step, in C loops
+        # (Note [a step's fixed cost is its lines])
         hooked = {id(p): p.detach().requires_grad_() for p in self.params if p._backward_hooks
                   and id(p) in self._slots_of} \
             if any(map(attrgetter("_backward_hooks"), self.params)) else {}
@@ -127,6 +129,13 @@ class StageRunner:
             StageStep(list(compress(self.params, flags)), list(compress(wrt, flags)), alias_slots)
 
     # -- forward ------------------------------------------------------------------
+    # Note [recompute under grad mode]: some models pick other CPU kernels under no_grad (T5), so a first forward
+    # under no_grad and its recompute with grad differ. The first forward of a micro-batch that will be recomputed
+    # runs with grad mode on and its graph is dropped at once: the recompute then runs the same kernels on the same
+    # inputs with the same seed, bit for bit.
+    # Note [buffers written in place per task]: a buffer the model writes in place and reads (Stage.written_buffers,
+    # not BatchNorm's statistics) is copied for each task and copied back after the forward, so a micro-batch's graph
+    # keeps the value it saw; a recompute runs on a copy of the value its forward started from.
     def forward(self, step: StepState, i: int, inputs: list, needs_grad: list[bool]) -> list:
         """Outputs of micro-batch ``i``, detached; ``needs_grad[k]``: whether input k gets a gradient."""
         keep = step.training and not step.recomputes(i)
@@ -147,7 +156,8 @@ class StageRunner:
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
 
     def rematerialise(self, step: StepState, i: int) -> None:
-        """The forward again, from the saved inputs: before the gradient arrives, off the critical path."""
+        """The forward again, from the saved inputs: before the gradient arrives, off the critical path; on a copy of
+        the written buffers its forward started from (Note [buffers written in place per task])."""
         saved = step.stages[id(self)].saved[i]
         if saved.outputs is None:
             own = {id(b) for b in self.state} if saved.state is not None else set()
@@ -168,10 +178,15 @@ class StageRunner:
         x = moved(detached(x), self.stage.device, self.copy_streams, step.ambient.streams)
         return x.requires_grad_() if needs_grad and differentiable(x) else x
 
+    # Note [the caller's stream]: a CUDA stage computes on the caller's current stream of its device (torchgpipe's
+    # compute streams are current_stream too), captured when the step starts and entered around the whole task,
+    # transport waits and sends included: the step is ordered after what the caller queued and before what it does
+    # next, with no synchronisation. Only the pipeline's GPUs are made current (that creates a CUDA context there).
     def on_device(self, step: StepState) -> contextlib.AbstractContextManager:
         """Around a whole task (executor.run_tasks): a CUDA stage's device made current, and on it the stage's own
         stream or else the caller's, so the step is ordered after the caller's work and before what it does with the
-        results (streams.py: a stage stream joins the caller's at each phase's start and end)."""
+        results (Note [the caller's stream]; streams.py: a stage stream joins the caller's at each phase's start and
+        end)."""
         if self.stage.device.type != "cuda":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -285,7 +300,11 @@ class StageRunner:
         return [(p, g) for p, g in zip(mine.trainable, grads) if g is not None]
 
 
+# Note [a step's fixed cost is its lines]: a step's own Python runs with cold caches, so its fixed cost is the
+# number of distinct lines it runs, not their speed in a loop. The runtime reads per-parameter flags in C loops
+# (map(attrgetter(...))), enters no context manager that has nothing to do, and calls the engine as
+# torch.autograd.grad ends up doing, without its per-input Python checks.
 def _grad(roots: list, grads: list, wrt: list) -> tuple:
-    """``torch.autograd.grad(roots, wrt, grads, allow_unused=True)`` without its per-input Python checks (~0.5 us a
-    parameter): the engine call it ends in (torch/autograd/__init__.py, ``_engine_run_backward``)."""
+    """``torch.autograd.grad(roots, wrt, grads, allow_unused=True)`` without its per-input Python checks: the engine
+    call it ends in (torch/autograd/__init__.py, ``_engine_run_backward``; Note [a step's fixed cost is its lines])."""
     return engine_grad(roots, grads, wrt, keep_graph=False)

@@ -20,8 +20,12 @@ from .streams import arrived, mark_ready
 OUTPUT = 1 << 30   # the model's output as a gradient contributor: after every stage
 
 
+# Note [one thread count per worker]: torch.set_num_threads is a process-wide default for new threads, but ATen
+# keeps the thread count per thread: each worker sets its own (cores // workers, or intra_op_threads), so the
+# workers do not oversubscribe the cores, and the calling thread's setting is left alone.
 class Worker:
-    """A thread that runs submitted functions in order, on its device, with its thread count."""
+    """A thread that runs submitted functions in order, on its device, with its thread count (Note [one thread count
+    per worker])."""
 
     def __init__(self, device: torch.device, name: str, intra_op_threads: int | None = None):
         self.device = torch.device(device)
@@ -76,9 +80,10 @@ class Worker:
         return self._thread is not None and self._thread.is_alive()
 
 
+# Note [set-once slots]: a mailbox value is a set-once slot latched by a C lock. A concurrent.futures.Future ran
+# about forty lines of Python per use, which a step of small ops feels.
 class _Slot:
-    """A value set once and read by any thread; a C lock is the latch (a Future runs ~40 lines of Python a use,
-    which a small-op step feels: docs/architecture.md, "Runtime")."""
+    """A value set once and read by any thread; a C lock is the latch (Note [set-once slots])."""
 
     __slots__ = ("value", "error", "done", "latch")
 

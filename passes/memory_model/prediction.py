@@ -22,11 +22,10 @@ OPTIMIZER_STATE = {None: 0, "none": 0, "sgd": 0, "momentum": 1, "sgd_momentum": 
                    "adam": 2, "adamw": 2}
 BACKWARD_FACTOR = 2.0   # backward FLOPs per forward FLOP (grad of the input + grad of the weight)
 RECOMPUTE_FACTOR = 1.0  # a recompute is one more forward
-# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on (1.4e11
-# FLOP/s: overhead.txt's transformer_like
-# step, 3 x 70.9 GFLOP in 1.54 s). TASK_SECONDS: the runtime's hand-off (overhead.txt: one worker at chunks=1 adds ~1.4
-# ms to the small-op GPT's 2 tasks);
-# OP_SECONDS: each op's dispatch, which a small micro-batch no longer hides (notes/distributed.md: ~10-20 us an op).
+# What a (stage, micro-batch) task costs beyond its FLOPs, as FLOPs of the 2-core CPU the benchmarks ran on.
+# DEVICE_FLOPS: benchmarks/results/overhead.txt's transformer_like step, its FLOPs over its seconds. TASK_SECONDS: the
+# runtime's hand-off, what one worker at chunks=1 adds to the small-op GPT's two tasks there. OP_SECONDS: each op's
+# dispatch, which a small micro-batch no longer hides (notes/distributed.md).
 DEVICE_FLOPS = 1.4e11
 TASK_SECONDS = 0.7e-3
 OP_SECONDS = 15e-6
@@ -106,7 +105,8 @@ class PredictedMemory(list):
 def predict_memory(costed: CostedGraph, plan: Plan, schedule_name: str = "gpipe", checkpoint: str = "except_last",
                    chunks: int | None = None, virtual_stages: int = 1, optimizer: str | None = "adam", *,
                    saved: SavedTensors | None = None) -> PredictedMemory:
-    """Per stage of ``plan``: parameters, gradients, optimizer state, kept activations and the recompute peak."""
+    """Per stage of ``plan``: parameters, gradients, optimizer state, kept activations and the recompute peak; a split
+    schedule's kept gradients too (Note [memory held from B to W])."""
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"optimizer must be one of {[k for k in OPTIMIZER_STATE if k]} or None, got {optimizer!r}")
     saved = saved or saved_tensors(costed)

@@ -1,7 +1,7 @@
 """The micro-batch analysis pass: which values hold the batch, and whether computing them per micro-batch gives the
 plain model's values. ``analyse_micro_batches(traced) -> MicroBatchAnalysis``, read by partition (into each crossing
 value's and output's ``TensorInfo``, which codegen and the runtime read) and by compile (its warnings). The rules, one
-file each (docs/architecture.md, "Pitfalls measured"):
+file each, its reasons in the notes beside it:
 
 - ``facts.py``: trace's facts on each node, as the rules read them (rows a sample, the nodes from the batch, views)
 - ``scalar_merges.py``: how a 0-dim output (a loss) merges: mean, sum, count of targets, or unknown

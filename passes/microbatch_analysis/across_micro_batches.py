@@ -1,8 +1,12 @@
 """Batch rows that depend on other samples, which a micro-batch does not hold: rows moved along the batch (flip, roll),
 normalised, sorted or scanned along it (softmax(x, dim=0), cumsum), computed with the batch size, or combined with a
 statistic over the batch (``h - h.mean(0)``, a batch norm by hand). Each micro-batch computes these over its own
-samples, as BatchNorm does (GPipe sec. 2.2): warned at compile (``Plan.across_micro_batches``), not refused, as routing
-code reads such numbers without mixing (docs/architecture.md, "Pitfalls measured")."""
+samples, as BatchNorm does (GPipe sec. 2.2): warned at compile (``Plan.across_micro_batches``), not refused.
+
+Note [warned, not refused]: batch rows combined with a value over the whole batch (h - h.mean(0), z @ (z.T @ z)),
+flip, roll, cumsum, softmax or sort along the batch, and the batch size in arithmetic give each micro-batch its
+own statistic. That is a warning, not a refusal, as BatchNorm's per-micro-batch statistics are GPipe's own.
+Integer values stop the rule: a grouped expert dispatch orders its work by histc counts and mixes nothing."""
 from __future__ import annotations
 
 import torch

@@ -82,12 +82,17 @@ def literals(n: fx.Node) -> list[str]:
     return [repr(a) for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node)]
 
 
+# Note [the batch found by one more row]: which dim holds the batch is read from the graph run a second time on
+# fake inputs one row larger: k rows a sample is a dim 0 that grows by k rows with no other dim changing. An int
+# comparison with the batch size took a transposed sequence dim equal to the batch, or a stack of two at a batch
+# of two, for the batch, and such outputs merged row-permuted. The same fact sizes the wire: a (batch * seq, d)
+# tensor needs a receive buffer of its own rows. A graph that does not run one row larger specialises on the batch.
 def record_batch_facts(gm: fx.GraphModule, batch: int, grown: dict[fx.Node, Any] | None) -> None:
     """node.meta "rows_per_sample", "batch_dim", "pairs_samples", "batch_free", "batch_number", "data_dependent" and
     "selected_rows" from each node's value at ``batch`` rows and its value one row larger, ``grown``
-    (docs/architecture.md, "Contracts between passes"; why not an int comparison: "Pitfalls measured"). Without it (a
-    static graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the
-    batch size."""
+    (docs/architecture.md, "Contracts between passes"; Note [the batch found by one more row]). Without it (a static
+    graph that exports at one size alone) only the batch tensors are known (k = 1), and any literal may be the batch
+    size (Note [static graphs one row larger])."""
     known: dict[fx.Node, int] = {}  # k of a concatenation of rows in order, and of values computed from it: see below
     for n in gm.graph.nodes:
         val = n.meta.get("val")

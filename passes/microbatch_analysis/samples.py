@@ -1,6 +1,7 @@
 """Whether each sample's rows stay together, so that micro-batch parts concatenate to the plain model's value (an output
 of k rows a sample: MoE router logits, ``logits.view(-1, V)``), or values mix samples, which no merge undoes (``u @
-v.T``, rows of several samples in turn read back as rows of samples): docs/architecture.md, "Pitfalls measured"."""
+v.T``, rows of several samples in turn read back as rows of samples): Note [samples kept together], Note [values that
+mix samples]."""
 from __future__ import annotations
 
 import math
@@ -34,12 +35,17 @@ def _out_of_order(source: fx.Node) -> str:
             f"repeated pieces of x.unbind(0), x.split(1), x[i]): each micro-batch reorders its own rows alone")
 
 
+# Note [samples kept together]: an output of k > 1 rows a sample merges by concatenation only where each sample's
+# rows stay together: a reshape of a batch tensor (row-major order is kept) or a cat of its rows in order, then
+# row-wise ops whose other operands do not come from the batch, no number that differs between micro-batches
+# (flat * flat.shape[0]), and no later in-place write to a view of it that is not row by row (flat[:2] = 0).
 def samples_together(gm: fx.GraphModule, from_batch: set[fx.Node]) -> set[fx.Node]:
     """Values whose dim 0 holds k rows a sample (k > 1) with each sample's rows together, so that micro-batch parts
     concatenate to the plain model's value: MoE router logits, ``logits.view(-1, V)``: a reshape of a batch tensor
     (row-major order is kept; a torch.cat of its rows in order is one: facts.py, Note [rows concatenated in order]),
     then row-wise ops whose other operands do not come from the batch, with no number that differs between
-    micro-batches, and no later write in place to a view of it that is not row by row."""
+    micro-batches, and no later write in place to a view of it that is not row by row (Note [samples kept
+    together])."""
     together: set[fx.Node] = set()
     poisoned: set[fx.Node] = set()
     storage = views(gm)
@@ -123,6 +129,11 @@ def _together_by_getitem(gm: fx.GraphModule, n: fx.Node, k: int, together: set[f
         or index[0] is Ellipsis and sum(i is not None for i in index[1:]) < source.meta["val"].dim())
 
 
+# Note [values that mix samples]: some outputs come back row-permuted from concatenated micro-batches: a cat of two
+# batch tensors along dim 0 (classifier-free guidance), a flatten after a transpose (sequence-major), a value
+# holding the batch in two dims (u @ v.T), a reshape into rows of samples of a value whose dim 0 is not the batch,
+# and every value computed from one of these. They are refused as outputs, naming the node that mixed; a reshape
+# that gives dim 0 a non-batch size again (attention's (seq, batch, d) round trip) ends such rows.
 def samples_mixed(gm: fx.GraphModule, from_batch: set[fx.Node], interleaved: dict[fx.Node, fx.Node],
                   misread: dict[fx.Node, str]) -> dict[fx.Node, tuple[str, str]]:
     """Each value computed from one that mixes samples -> (that node, how): one holding the batch in two dims (trace's

@@ -1,6 +1,5 @@
 """How each 0-dim float output (a loss) merges over micro-batches: "mean", "sum", "count" (a cross-entropy's mean over
-the targets it does not ignore, weighted by each micro-batch's count of them) or "unknown" (docs/architecture.md,
-"Pitfalls measured": merging outputs)."""
+the targets it does not ignore, weighted by each micro-batch's count of them) or "unknown" (Note [scalar merges])."""
 from __future__ import annotations
 
 import math
@@ -29,6 +28,11 @@ _READ_AS = {"itruediv": "truediv", "imul": "mul", "iadd": "add", "isub": "sub", 
             "BCEWithLogitsLoss": "binary_cross_entropy_with_logits", "KLDivLoss": "kl_div"}
 
 
+# Note [scalar merges]: a 0-dim output merges as the graph reduces it: a mean over samples as the size-weighted
+# mean; a sum, or a sum over a number the batch does not set (num_items_in_batch), as the sum (the weighted mean
+# gave half the loss at chunks=2); a mean over what the inputs alone select (a cross-entropy mean over class-index
+# targets, x[mask].mean()) by each micro-batch's count of it, counted before the step. Anything else is "unknown":
+# the weighted mean, with a plan note. verify merges as the plan says, never by a rule of its own.
 def scalar_merges(gm: fx.GraphModule,
                   from_batch: set[fx.Node]) -> tuple[dict[fx.Node, str], dict[fx.Node, TargetCount]]:
     """How each 0-dim float output merges over micro-batches: "mean" (a mean over samples, or no batch in it: the

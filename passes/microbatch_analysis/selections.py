@@ -1,11 +1,15 @@
 """Rows selected by value (``x[mask]``, ``nonzero``, ``torch.where``: trace's "data_dependent", "selected_rows"): which
-uses of them each micro-batch computes as the plain model does. Proven: positions of a mask over batch rows (each
-micro-batch numbers its own rows from 0), used only as indices of the dims they came from, of batch rows or of selected
-rows of the same number; the rows they select, computed row by row with their number kept, or averaged over by a
-cross-entropy merged by count; their counts only as the sizes of views; and the rows put back into batch rows where they
-were taken. Anything else (arithmetic on the positions, a parameter indexed by them, a mean, sort or slice over the
-rows, a count in arithmetic) would differ between micro-batches: docs/architecture.md, "Pitfalls measured". One method
-per case, tried in the order of ``_CASES``."""
+uses of them each micro-batch computes as the plain model does: those the note below allows, and a cross-entropy merged
+by count averaging over the rows they select; any other use is misread, naming the node. One method per case, tried in
+the order of ``_CASES``.
+
+Note [rows selected by value]: positions (nonzero's, torch.where's) are row numbers each micro-batch counts from
+0: they may only index the dim they came from, of batch rows or selected rows of the same size. The rows they
+select may be computed row by row with their number kept and put back into batch rows (out[mask] = y,
+index_add, scatter, masked_scatter of the same rows); their counts may only size views. Anything else (a mean,
+sort, cumsum or slice over them, a capacity buffer written with them and read after, arithmetic on positions or
+counts) differs between micro-batches and mixes samples.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -358,7 +358,7 @@ def test_randomness_from_numpy_is_refused_not_frozen_into_the_graph():
     assert trace(NumpyMask().eval(), (torch.randn(4, 8),)).route == "fx"
 
 
-# -- issue 29: a draw made once per process (a first import) is not the forward's --------------------------------
+# -- a draw made once per process (a first import) is not the forward's -----------------------------------------
 
 DRAWS_AT_IMPORT = """
 import random

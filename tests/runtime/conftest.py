@@ -1,4 +1,4 @@
-"""The torchrun runs of mesh_worker.py, each launched once a session and shared by test_materialize.py,
+"""The torchrun runs of mesh_worker.py, each launched once a run and shared by test_materialize.py,
 test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s."""
 import os
 

@@ -3,7 +3,7 @@ where a GPU is, skips cleanly elsewhere
 (``make gpu`` runs it on a lent GPU). What a CPU can check of these tests runs here too: the timing model's trace;
 placement on another device than the trace's is tests/test_placement.py's.
 
-Issue 14's checks, each against the plain model on the same GPU: several stages on one GPU, tied weights, an
+The checks of one GPU, each against the plain model on the same GPU: several stages on one GPU, tied weights, an
 export-route transformers model traced on the CPU, dropout re-materialised bit for bit, bf16 autocast, CPU
 inputs to a model on the GPU. float32 runs without TF32 (the fixture below), so the pipeline and the plain model
 differ only by the order of float32 sums (a micro-batch's GEMMs pick other kernels than the whole batch's).
@@ -122,7 +122,7 @@ def test_two_processes_on_one_gpu_over_gloo_match_the_in_process_pipeline(tmp_pa
     assert_two_ranks_match_the_in_process_pipeline(tmp_path, "gloo", DEVICE=CUDA, CUDA_VISIBLE_DEVICES="0")
 
 
-# -- issue 14 ------------------------------------------------------------------------------------------------
+# -- the plain model's results on one GPU ------------------------------------------------------------------
 
 @cuda
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "unet"])
@@ -413,8 +413,8 @@ def test_attention_dropout_keeps_a_fused_kernel_and_replays_exactly():
 
 
 class MatmulThenAdd(torch.nn.Module):
-    """A large matmul, then a tiny add on one column of its result. (Until issue 29 it was ``x @ x``, which ties the
-    batch to the features: a micro-batch cannot run it, and trace rightly refuses it as batch-specialised.)"""
+    """A large matmul, then a tiny add on one column of its result. (Not ``x @ x``, which ties the batch to the
+    features: a micro-batch cannot run it, and trace rightly refuses it as batch-specialised.)"""
 
     def __init__(self, features: int):
         super().__init__()
@@ -438,7 +438,7 @@ def seconds_of_matmul_and_add(device: str, features: int) -> tuple[float, float]
 
 
 def test_the_timing_model_traces_and_is_timed_on_the_cpu():
-    """The GPU test's model, traced and timed on the CPU, where CI runs it: its batch is free (issue 29, class 3)."""
+    """The GPU test's model, traced and timed on the CPU, where CI runs it: its batch is free."""
     matmul, add = seconds_of_matmul_and_add("cpu", 64)
     assert matmul > 0 and add > 0
 
@@ -451,7 +451,7 @@ def test_balance_time_times_gpu_nodes_with_cuda_events():
     assert matmul > 20 * add, (matmul, add)
 
 
-# -- issue 30: stages on streams of their own, SM slices --------------------------------------------------------
+# -- stages on streams of their own, SM slices ------------------------------------------------------------------
 
 def green_contexts_supported() -> bool:
     from torch.cuda import green_contexts

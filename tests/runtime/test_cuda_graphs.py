@@ -1,6 +1,6 @@
 """compile(..., cuda_graphs=True) (runtime/cuda_graphs.py). The CPU checks run everywhere: how many graph slots a
-schedule needs, and the option's refusals. The CUDA checks (skipped without CUDA; ``make gpu`` runs them) are issue
-31's "Done when": graphed gradients against eager ones, two graphed steps with one seed bit for bit, the recompute
+schedule needs, and the option's refusals. The CUDA checks (skipped without CUDA; ``make gpu`` runs them) are what the
+option promises: graphed gradients against eager ones, two graphed steps with one seed bit for bit, the recompute
 inside a graph bit for bit, GPipe / 1F1B / interleaved with dropout and checkpoint="always", a stage with .item()
 eager with the reason in its plan, memory flat over 100 graphed steps. None of them has run on a GPU yet.
 

@@ -180,7 +180,7 @@ def assert_two_ranks_give_the_plain_models(results: list[dict], model, loss) -> 
 
 def test_tensors_the_trace_made_are_no_model_attribute_under_torchrun(tmp_path):
     """fx's _tensor_constant* (a relative-position index built in the forward): each rank looked every planned tensor
-    up in the model to materialise it and raised AttributeError (issue 29's class 2, on the torchrun path)."""
+    up in the model to materialise it and raised AttributeError (tests/test_placement.py's case, on the torchrun path)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from test_placement import RelativePositionViT
     run = launch("constants", 2, tmp_path)
