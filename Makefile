@@ -19,13 +19,13 @@ install: $(VENV)/.installed
 demo: install
 	$(VPY) examples/demo.py
 
-# Two pytest workers (pytest-xdist): the suite is single-core bound (user time ~ wall time), and CI has 2 cores:
-# 14 min serial, 10 min on two workers, measured on the 2-core VM.
+# Two pytest workers (pytest-xdist): the suite is single-core bound (user time ~ wall time), and CI has 2 cores.
+# loadgroup: the tests sharing one torchrun launch (tests/runtime/conftest.py) run on one worker, so it runs once.
 PYTEST_WORKERS ?= 2
 
 test: install
 	$(VPY) -m ruff check autopipe passes tests benchmarks examples zoo
-	$(VPY) -m pytest -n $(PYTEST_WORKERS)
+	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 bench: install
 	$(VPY) benchmarks/partition.py

@@ -209,7 +209,7 @@ def small_op_child(runs: int) -> int:
     from zoo import GPT
 
     torch.set_num_threads(1)
-    warmup = 2
+    warmup = 2 if runs > 5 else 0  # --quick: a smoke run of the table, not a measurement
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, SMALL_OP["vocab"], SMALL_OP_BATCH, generator=g)
     y = torch.randint(0, SMALL_OP["vocab"], SMALL_OP_BATCH, generator=g)

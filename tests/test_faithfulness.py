@@ -89,7 +89,7 @@ def test_compile_leaves_global_state_even_when_tracing_raises():
 
 # -- 2. re-materialisation is bit-exact in float32 ------------------------------------------------
 
-@pytest.mark.parametrize("name", ["t5", "bart"])
+@pytest.mark.parametrize("name", ["bart"])  # an encoder-decoder with dropout everywhere (T5: test_huggingface_encoder_decoder)
 def test_recompute_reproduces_the_forward_bit_for_bit_in_float32(name):
     model, args, kwargs = ZOO[name]()
     results = {}
@@ -113,7 +113,7 @@ def test_in_place_activations_after_a_cut_match_the_plain_model_in_float64(devic
 
 # -- 4. models that specialise on the batch size --------------------------------------------------
 
-@pytest.mark.parametrize("batch", [8, 7])  # 7: a ragged last micro-batch, traced at its own size
+@pytest.mark.parametrize("batch", [7])  # a ragged last micro-batch, traced at its own size (2, 2, 2 and 1)
 def test_batch_specialising_unet_pipelines_at_static_micro_batch_sizes(batch):
     pytest.importorskip("diffusers")
     model, (x, t), _ = as_double(ZOO["unet_diffusers"]())

@@ -21,6 +21,17 @@ def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+SHARED_RUNS = {"mesh_run", "pp_run"}
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that read a shared run go to one pytest-xdist worker (the Makefile's ``--dist loadgroup``): a
+    session fixture is per worker, so spread over two each run would launch twice."""
+    for item in items:
+        if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("torchrun_mesh"))
+
+
 @pytest.fixture(scope="session")
 def torchrun_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("mesh")

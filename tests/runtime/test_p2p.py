@@ -109,7 +109,6 @@ SCENARIOS = {
     "raise-forward-middle": ("raise", "trap1", "fwd"),
     "raise-backward-last": ("raise", "trap2", "bwd"),
     "raise-in-loss": ("raise", "loss", "fwd"),
-    "sigkill-forward-middle": ("kill", "trap1", "fwd"),
     "sigkill-backward-first": ("kill", "trap0", "bwd"),
     "hang-forward-middle": ("hang", "trap1", "fwd"),
 }
