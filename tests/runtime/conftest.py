@@ -24,6 +24,7 @@ def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
 SHARED_RUNS = {"mesh_run", "pp_run"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     """The tests that read a shared run go to one pytest-xdist worker (the Makefile's ``--dist loadgroup``): a
     session fixture is per worker, so spread over two each run would launch twice."""
