@@ -1,5 +1,7 @@
 """The torchrun runs of mesh_worker.py, each launched once a run and shared by test_materialize.py,
-test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s."""
+test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s. A session fixture is per
+pytest-xdist worker, so those files mark their tests ``xdist_group("torchrun_mesh")`` and the Makefile runs
+``--dist loadgroup``: one worker runs them, and each run launches once."""
 import os
 
 import pytest
@@ -19,18 +21,6 @@ def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
         test_distributed.WORKER = saved
     assert run.codes == [0] * world, run.log()
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-SHARED_RUNS = {"mesh_run", "pp_run"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    """The tests that read a shared run go to one pytest-xdist worker (the Makefile's ``--dist loadgroup``): a
-    session fixture is per worker, so spread over two each run would launch twice."""
-    for item in items:
-        if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("torchrun_mesh"))
 
 
 @pytest.fixture(scope="session")
