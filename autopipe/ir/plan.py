@@ -10,6 +10,7 @@ import torch
 from tabulate import tabulate
 
 from .capture import CaptureReport
+from .step_time import PredictedStepTime, Timed, Validation, validate
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Plan:
     memory: Any = None    # passes/memory_model: a PredictedMemory, each stage's predicted bytes
     choice: Any = None    # passes/memory_model: an AutoChoice, when chunks/schedule/checkpoint were "auto"
     cuda_graphs: CaptureReport | None = None  # cuda_graphs=True: each stage captured or eager, and why
+    step_time: PredictedStepTime | None = None  # passes/step_time.py: each stage's predicted seconds, term by term
 
     @property
     def n_stages(self) -> int:
@@ -120,6 +122,15 @@ class Plan:
     def predicted_speedup(self) -> float:
         """Over one device: total work / slowest stage, times the share of clock cycles not in the bubble."""
         return float(1 - self.bubble) * self.total_cost / self.bottleneck if self.bottleneck else 1.0
+
+    def validate(self, timeline: Timed) -> Validation:
+        """The predicted step time (``step_time``, set by passes/step_time.py's ``predict_step_time``) beside what
+        ``timeline`` (``pipe.timeline`` after a step) measured, per stage and term; a stage more than 10% off names
+        the term that misses most."""
+        if self.step_time is None:
+            raise ValueError("the plan has no predicted step time: call autopipe.passes.step_time.predict_step_time("
+                             "costed, plan, node_times) first (benchmarks/cost_model.py shows how)")
+        return validate(self.step_time, timeline)
 
     def cut_tensors(self, cut: int) -> list[TensorInfo]:
         """Tensors live across the cut between stage ``cut`` and ``cut + 1``."""
@@ -158,7 +169,7 @@ class Plan:
         if self.pass_seconds:
             passes = ", ".join(f"{n} {t:.2f} s" for n, t in self.pass_seconds.items())
             lines.append(f"compiled in {sum(self.pass_seconds.values()):.2f} s: {passes}")
-        lines += [str(x) for x in (self.cuda_graphs, self.memory, self.choice) if x is not None]
+        lines += [str(x) for x in (self.cuda_graphs, self.memory, self.choice, self.step_time) if x is not None]
         lines.extend(f"note: {n}" for n in self.notes + self.across_micro_batches)
         return "\n".join(lines)
 

@@ -1,0 +1,142 @@
+"""Each node's measured seconds at one micro-batch: its forward, its whole backward, and its backward towards its inputs
+alone (B, with the parameters frozen); W is the difference. passes/step_time.py adds them up per stage."""
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .fake_shapes import MutableArguments
+from .model_state import scalar_buffers_kept
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class NodeTimes:
+    """Median seconds per call node over ``repeats`` runs at ``rows`` batch rows. ``backward``: the node's share of a
+    backward to every input and parameter; ``input_grad``: of a backward to the inputs only (what B runs)."""
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    input_grad: dict[str, float]
+    rows: int
+    repeats: int
+    threads: int = 1
+
+    def weight(self, name: str) -> float:
+        """W: the parameter gradients' share of the node's backward."""
+        return max(self.backward.get(name, 0.0) - self.input_grad.get(name, 0.0), 0.0)
+
+
+# Note [backward time per node]: the CPU autograd engine runs one node at a time on the calling thread, so a pre-hook
+# on each graph node's grad_fn stamps when its backward begins, and the next stamp ends it; the time in between is
+# that node's autograd functions (a Linear's addmm, transpose and bias sum). Timed with autograd.grad, so no .grad is
+# left on the model; the B run freezes the parameters and makes each value of the inputs require a gradient.
+class _Recorder(MutableArguments):
+    """Runs the graph, timing each call node's forward and stamping its backward (Note [backward time per node])."""
+
+    def __init__(self, gm: fx.GraphModule, forward: dict[str, list[float]], inputs_only: bool):
+        super().__init__(gm)
+        self.forward, self.inputs_only = forward, inputs_only
+        self.stamps: list[tuple[float, str]] = []
+        self.hooked: set[int] = set()
+        self.leaves: list[torch.Tensor] = []
+        self.from_inputs: set[fx.Node] = set()
+
+    def run_node(self, n: fx.Node):
+        start = time.perf_counter()
+        result = super().run_node(n)
+        if n.op not in _CALLS:
+            if n.op == "placeholder":
+                self.from_inputs.add(n)
+            return result
+        self.forward[n.name].append(time.perf_counter() - start)
+        batched = any(a in self.from_inputs for a in n.all_input_nodes)
+        if batched:
+            self.from_inputs.add(n)
+        for t in tree_leaves(result):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if self.inputs_only and batched and t.grad_fn is None and t.is_floating_point() and not t.requires_grad:
+                t.requires_grad_()  # a leaf computed from the inputs alone: B's gradients start here
+                self.leaves.append(t)
+            if t.grad_fn is not None and id(t.grad_fn) not in self.hooked:
+                self.hooked.add(id(t.grad_fn))
+                t.grad_fn.register_prehook(lambda *_, name=n.name: self.stamps.append((time.perf_counter(), name)))
+        return result
+
+
+def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None) -> NodeTimes:
+    """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
+    only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's). Buffers, RNG, the thread
+    count and the parameters' ``requires_grad`` and ``.grad`` are left as they were."""
+    forward: dict[str, list[float]] = collections.defaultdict(list)
+    backward: dict[str, list[float]] = collections.defaultdict(list)
+    input_grad: dict[str, list[float]] = collections.defaultdict(list)
+    params = [p for p in gm.parameters() if p.requires_grad]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        _time_all(gm, inputs, repeats, forward, backward, input_grad, params)
+    finally:
+        torch.set_num_threads(before)
+    rows = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()), 1)
+    median = lambda d: {k: statistics.median(v) for k, v in d.items()}
+    return NodeTimes(forward=median(forward), backward=median(backward), input_grad=median(input_grad), rows=rows,
+                     repeats=repeats, threads=threads or before)
+
+
+def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> None:
+    with scalar_buffers_kept(gm, every_buffer=True), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for _ in range(repeats):
+            _time_backward(gm, inputs, forward, backward, params, inputs_only=False)
+            try:
+                for p in params:
+                    p.requires_grad_(False)
+                _time_backward(gm, inputs, collections.defaultdict(list), input_grad, [], inputs_only=True)
+            finally:
+                for p in params:
+                    p.requires_grad_(True)
+
+
+def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward: dict, params: list,
+                   inputs_only: bool) -> None:
+    recorder = _Recorder(gm, forward, inputs_only)
+    outputs = [t for t in tree_leaves(recorder.run(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = params + recorder.leaves
+    seen = {n: 0.0 for n in forward}
+    if outputs and wrt:
+        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        end = time.perf_counter()
+        stamps = recorder.stamps + [(end, "")]
+        for (at, name), (after, _) in zip(stamps, stamps[1:]):
+            seen[name] = seen.get(name, 0.0) + after - at
+    for name, seconds in seen.items():
+        backward[name].append(seconds)
+
+
+def measure_loss(loss_fn, outputs, target=None, repeats: int = 3, threads: int | None = None) -> float:
+    """Median seconds of ``loss_fn(outputs, target)`` and its backward on one micro-batch's model outputs (the loss
+    ``pipe.step`` runs after the last stage's forward); ``outputs`` are detached first, so nothing else is touched."""
+    before, seconds = torch.get_num_threads(), []
+    torch.set_num_threads(threads or before)
+    try:
+        for _ in range(repeats):
+            value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), outputs)
+            grads = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+            start = time.perf_counter()
+            with torch.enable_grad():
+                loss = loss_fn(value, target)
+                if loss.requires_grad and grads:
+                    torch.autograd.grad(loss, grads, allow_unused=True)
+            seconds.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(seconds)
