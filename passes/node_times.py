@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .cost import CostedGraph
 from .fake_shapes import MutableArguments
 from .model_state import scalar_buffers_kept
 
@@ -120,6 +121,16 @@ def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward
             seen[name] = seen.get(name, 0.0) + after - at
     for name, seconds in seen.items():
         backward[name].append(seconds)
+
+
+def times_from_flops(costed: CostedGraph, flops_per_second: float) -> NodeTimes:
+    """Node times of a device that runs every op at ``flops_per_second``, at the traced batch (a model on meta, a
+    device not at hand): forward = FLOPs / rate; B the same; W the same again where the node reads a trainable
+    parameter (a matmul's input and weight gradients each cost its forward: CostedGraph.training_flops)."""
+    forward = {name: c.flops / flops_per_second for name, c in costed.costs.items()}
+    step = {name: flops / flops_per_second for name, flops in costed.training_flops().items()}
+    return NodeTimes(forward=forward, backward={n: step[n] - forward[n] for n in forward}, input_grad=forward,
+                     rows=costed.traced.batch_size or 1, repeats=0, threads=0)
 
 
 def measure_loss(loss_fn, outputs, target=None, repeats: int = 3, threads: int | None = None) -> float:

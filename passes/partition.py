@@ -35,6 +35,8 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     here where not given). Raises NoFeasiblePlan naming an in-place write where no cut within ``tolerance`` keeps it
     in one stage with the reads that must see it. ``cut_of``: a plan of the same model traced at other input shapes:
     its cut is kept where this graph has the same nodes (each node in the stage it had there), else solved anew.
+    ``balance``: "flops" (forward FLOPs), "train_flops" (forward and backward: CostedGraph.training_flops), "params",
+    "time" (measured forward seconds) or per-stage shares.
     ``crossing_price``: what a byte live across a cut costs each of its two stages, in the balance's units
     (passes/step_time.py's ``crossing_price`` from a link); 0: bytes only break ties within the tolerance."""
     gm = costed.traced.graph_module
@@ -217,6 +219,9 @@ def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
         return weights
     if balance == "time":  # measured by compile, which refuses a meta model first
         return [costed.costs[n.name].seconds for n in nodes]
+    if balance == "train_flops":  # forward and backward: what the step-time model counts on FLOPs
+        train = costed.training_flops()
+        return [train[n.name] for n in nodes]
     return [float(costed.costs[n.name].flops) for n in nodes]
 
 

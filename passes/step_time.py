@@ -33,6 +33,10 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
     function's forward and backward on one micro-batch's outputs) on the last stage; the crossing bytes over ``link``.
     ``cores``: CPU workers sharing that many cores (Note [workers sharing cores]).
     The result is also set as ``plan.step_time``, which ``plan.validate(timeline)`` reads."""
+    missing = [name for s in plan.stages for name in s.nodes if name not in times.forward]
+    if missing:
+        raise ValueError(f"the node times are of another graph: {len(missing)} of the plan's nodes have none (first "
+                         f"{missing[0]!r}); measure them on the graph the plan was cut from (its costed.traced)")
     chunks = chunks or plan.chunks
     built = Schedule.build(schedule, plan.n_stages // _per_device(schedule, virtual_stages), chunks, virtual_stages)
     batch = costed.traced.batch_size or chunks
@@ -60,7 +64,8 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
     prediction = PredictedStepTime(stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint,
                                    n_devices=built.n_devices, bubble=built.bubble_fraction, link=link,
                                    source=f"measured at {times.rows} rows on {times.threads} thread(s), median of "
-                                          f"{times.repeats}", stretch=stretch)
+                                          f"{times.repeats}" if times.repeats else "from FLOPs at a stated rate",
+                                   stretch=stretch)
     plan.step_time = prediction
     return prediction
 
