@@ -4,8 +4,14 @@
 Exact as passes/cut_solver.py is: first the least priced bottleneck B* (ignoring ``kept_whole``, as there), by
 bisection over a feasibility test that is one prefix maximum per stage: with u[b] = W[b] + p L[b] and v[a] = W[a] -
 p L[a], stage [a, b) costs u[b] - v[a], so cut s can be at b iff the largest v over the positions cut s - 1 reaches
-before b is >= u[b] - bound. Then, among plans within (1 + tolerance) B* that keep every ``kept_whole`` entry, the
-fewest then smallest crossing tensors: the same layered shortest path, one position at a time."""
+before b is >= u[b] - bound. Then the least priced bottleneck of the plans that keep every ``kept_whole`` entry (B*
+where one does), and among its plans the fewest then smallest crossing tensors: a layered shortest path, one position
+at a time.
+
+Note [a priced tolerance]: unpriced, the tolerance buys fewer crossings with balance. Priced, the bytes are in each
+stage's cost already, and spending the tolerance on fewer tensors gave a slower step than the optimum's (Llama-3-70B at
+K=8: one-tensor cuts only, and a last stage far under the others). So a priced plan is the least priced bottleneck,
+ties to the fewest crossings, and the tolerance is only what keeping ``kept_whole`` may cost."""
 from __future__ import annotations
 
 import math
@@ -115,8 +121,9 @@ def _least(probe, ceiling: float) -> tuple[float, tuple[int, ...] | None]:
 
 def solve_priced_cuts(problem: CutProblem, crossing_price: float) -> CutSolution:
     """solve_cuts with each stage also paying ``crossing_price`` (cost units per byte) for the bytes live across its
-    first and last cut: the least priced bottleneck, then the fewest crossings within (1 + tolerance) of it keeping
-    every ``kept_whole`` entry (NoCutKeepsWhole where none does). ``memory_cap`` is refused."""
+    first and last cut: the least priced bottleneck, and among its plans the fewest crossings (Note [a priced
+    tolerance]); NoCutKeepsWhole where no plan within (1 + tolerance) of it keeps every ``kept_whole`` entry.
+    ``memory_cap`` is refused."""
     chain = _Priced(problem, crossing_price)
     ceiling = float(chain.u.max() - chain.v.min()) + 1.0  # no stage costs more
 
@@ -124,20 +131,19 @@ def solve_priced_cuts(problem: CutProblem, crossing_price: float) -> CutSolution
         plan = chain.feasible(bound)
         return plan, float(chain.costs(plan).max()) if plan is not None else math.inf
 
+    def keeping(bound: float):
+        plan = chain.fewest(bound, chain.kept)
+        return plan, float(chain.costs(plan).max()) if plan is not None else math.inf
+
     optimum, best = _least(relaxed, ceiling)
-    bound = (1.0 + problem.tolerance) * optimum
-    plan = chain.fewest(bound, chain.kept)
-    if plan is None:
-        entry = chain.kept.broken(chain.fewest(bound, None) or best)
-
-        def keeping(at: float):
-            found = chain.fewest(at, chain.kept)
-            return found, float(chain.costs(found).max()) if found is not None else math.inf
-
-        least, _ = _least(keeping, ceiling)
-        raise NoCutKeepsWhole(f"no {chain.k} stages within {bound:g} (the priced optimum {optimum:g} times 1 + "
-                              f"tolerance) keep one of {list(problem.kept_whole[entry])} in one stage; the least "
-                              f"priced bottleneck of a plan that keeps them all is {least:g}", entry, least, optimum)
+    least = optimum if chain.fewest(optimum, chain.kept) is not None else _least(keeping, ceiling)[0]
+    if least > (1.0 + problem.tolerance) * optimum:
+        entry = chain.kept.broken(chain.fewest(optimum, None) or best)
+        raise NoCutKeepsWhole(f"no {chain.k} stages within {(1.0 + problem.tolerance) * optimum:g} (the priced optimum "
+                              f"{optimum:g} times 1 + tolerance) keep one of {list(problem.kept_whole[entry])} in one "
+                              f"stage; the least priced bottleneck of a plan that keeps them all is {least:g}", entry,
+                              least, optimum)
+    plan = chain.fewest(least, chain.kept)
     costs = chain.costs(plan)
     cuts = np.asarray(plan[1:], dtype=int)
     return CutSolution(starts=tuple(int(a) for a in plan), stage_costs=tuple(float(c) for c in costs),
