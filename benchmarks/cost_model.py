@@ -1,12 +1,15 @@
 """The step-time model against the Timeline: each stage's predicted seconds (passes/step_time.py) beside what its tasks
 measured, per term, on the zoo and small transformers models at K=2 and 4, CPU worker threads in one process.
 
-    python benchmarks/cost_model.py            # every model, K=2 and 4 (about 3-5 min on 2 cores)
+    python benchmarks/cost_model.py            # every model, K=2 and 4 (a few minutes on 2 cores)
     python benchmarks/cost_model.py --quick    # one small model at K=2: a smoke test, not a measurement
     python benchmarks/cost_model.py --models gpt2 --ks 2
 
-Per (model, K, schedule): autopipe.compile on K CPU workers (cores // K intra-op threads each, at least one); the
-node times measured once at one micro-batch on one worker's threads (passes/node_times.py); the prediction
+Per (model, K, schedule, checkpoint): at K=2 1F1B with checkpoint="except_last" (a recompute for all but the last
+micro-batch), zb-h1 (B and W apart) and zbv (two stages a device, summed per device); at K=4 1F1B. autopipe.compile on
+K CPU workers (cores // K intra-op threads each, at least one); the node times measured once at one micro-batch on one
+worker's threads while K - 1 peer threads run the graph, as the other workers will (``--alone``: with none, and the
+tasks stretched by busy workers over cores instead; passes/node_times.py); the prediction
 (predict_step_time, with the loss function timed on one micro-batch's outputs and the link of the in-process
 transport measured by a ping-pong); then ``--steps`` steps after two warm-up steps, and ``plan.validate`` over
 their timelines: the median step per (stage, kind). The table prints predicted / measured per stage and timed term
@@ -47,8 +50,8 @@ class Case:
 
 def _zoo_transformer():
     g = torch.Generator().manual_seed(1)
-    return transformer_like(d=256, hidden=1024, blocks=8), (torch.randn(64, 256, generator=g),), {}, \
-        nn.MSELoss(), torch.randn(64, 256, generator=g)
+    return transformer_like(d=256, hidden=1024, blocks=8), (torch.randn(256, 256, generator=g),), {}, \
+        nn.MSELoss(), torch.randn(256, 256, generator=g)
 
 
 def _zoo_gpt():
@@ -86,11 +89,17 @@ CASES = {
 }
 
 
-def measure(case: Case, k: int, schedule: str, steps: int, repeats: int, link) -> tuple[str, list]:
+# (schedule, checkpoint) rows per K: 1F1B re-materialising all but the last micro-batch (compile's default), zb-h1
+# with B and W apart, zbv with two stages a device
+ROWS = {2: [("1f1b", "except_last"), ("zb-h1", "never"), ("zbv", "never")], 4: [("1f1b", "except_last")]}
+
+
+def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link,
+            alone: bool = False) -> tuple[str, list]:
     """One (model, K, schedule): the validation table and its summary row."""
     model, args, kwargs, loss_fn, target = case.build()
     pipe = autopipe.compile(model, k, CHUNKS, example_inputs=args, example_kwargs=kwargs, schedule=schedule,
-                            checkpoint="never")
+                            checkpoint=checkpoint)
     step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
     step()  # compiles
     traced = trace(model, args, kwargs)
@@ -98,14 +107,14 @@ def measure(case: Case, k: int, schedule: str, steps: int, repeats: int, link) -
     batch, rows = traced.batch_size, traced.batch_size // CHUNKS
     micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
     threads = pipe.intra_op_threads
-    times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads)
+    times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1)
     loss = 0.0
     if loss_fn is not None:
         with torch.no_grad():
             out = model(*(a[:rows] for a in args))
         loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
-    prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, "never", CHUNKS, link=link,
-                                   loss_seconds=loss, cores=_common.cores())
+    prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
+                                   loss_seconds=loss, cores=_common.cores() if alone else None)
     step()
     timelines = []
     for _ in range(steps):
@@ -115,9 +124,9 @@ def measure(case: Case, k: int, schedule: str, steps: int, repeats: int, link) -
     report = pipe.plan.validate(timelines)
     worst = max(report.checks, key=lambda c: abs(c.error))
     makespan = sorted(t.makespan for t in timelines)[len(timelines) // 2]
-    summary = [case.name, k, schedule, pipe.plan.n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
+    summary = [case.name, k, f"{schedule} ({checkpoint})", pipe.plan.n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
                worst.worst if worst.missed else "-", f"{1e3 * prediction.step:.1f}", f"{1e3 * makespan:.1f}"]
-    title = f"== {case.name}, K={k}, {schedule}, M={CHUNKS}, {threads} intra-op thread(s) per worker"
+    title = f"== {case.name}, K={k}, {schedule}, checkpoint={checkpoint!r}, M={CHUNKS}, {threads} thread(s) a worker"
     return "\n".join([title, str(prediction), str(report)]), summary
 
 
@@ -126,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", choices=list(CASES), default=None)
     p.add_argument("--ks", nargs="+", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; --quick 2)")
+    p.add_argument("--alone", action="store_true", help="node times measured with no peer workers running; tasks "
+                   "stretched by busy workers over cores instead (Note [workers sharing cores])")
     a = p.parse_args(argv)
     models = a.models or (["transformer_like"] if a.quick else list(CASES))
     ks = a.ks or ([2] if a.quick else [2, 4])
@@ -135,15 +146,16 @@ def main(argv=None) -> int:
     blocks, rows = [], []
     for name in models:
         for k in ks:
-            for schedule in ("1f1b", "zb-h1") if k == 2 else ("1f1b",):
-                _common.progress(f"{name} K={k} {schedule}")
-                text, summary = measure(CASES[name], k, schedule, steps, repeats, link)
+            for schedule, checkpoint in ROWS.get(k, ROWS[4]):
+                _common.progress(f"{name} K={k} {schedule} checkpoint={checkpoint}")
+                text, summary = measure(CASES[name], k, schedule, checkpoint, steps, repeats, link, a.alone)
                 blocks.append(text)
                 rows.append(summary)
     summary = _common.table(rows, ["model", "K", "schedule", "stages", "worst stage error", "worst term",
                                    "predicted step (ms)", "measured makespan (ms)"])
     head = _common.header("cost_model", [f"in-process {link}", f"torchrun's link here: {gloo}",
-                                         f"M={CHUNKS}, checkpoint='never', {steps} timed steps after 2 warm-up",
+                                         f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured "
+                                         f"{'alone, stretched by busy workers over cores' if a.alone else 'with K - 1 peer threads running the graph'}",
                                          "a stage misses where predicted and measured differ by more than 10%"],
                           quick=a.quick)
     _common.write("cost_model", "\n\n".join([head, summary, *blocks]), quick=a.quick, results_dir=a.results_dir)

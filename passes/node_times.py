@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,6 +31,8 @@ class NodeTimes:
     rows: int
     repeats: int
     threads: int = 1
+    forward_scale: float = 1.0  # the graph's own forward over its nodes' sum under the Interpreter
+    peers: int = 0  # threads that ran the graph meanwhile
 
     def weight(self, name: str) -> float:
         """W: the parameter gradients' share of the node's backward."""
@@ -74,29 +77,70 @@ class _Recorder(MutableArguments):
         return result
 
 
-def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None) -> NodeTimes:
+def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
+                       peers: int = 0) -> NodeTimes:
     """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
-    only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's). Buffers, RNG, the thread
-    count and the parameters' ``requires_grad`` and ``.grad`` are left as they were."""
+    only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's), while ``peers`` threads
+    run the graph's forward meanwhile (Note [workers sharing cores]). Buffers, RNG, the thread count and the
+    parameters' ``requires_grad`` and ``.grad`` are left as they were."""
     forward: dict[str, list[float]] = collections.defaultdict(list)
     backward: dict[str, list[float]] = collections.defaultdict(list)
     input_grad: dict[str, list[float]] = collections.defaultdict(list)
     params = [p for p in gm.parameters() if p.requires_grad]
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
+    stop = threading.Event()
+    load = [threading.Thread(target=_busy, args=(gm, inputs, threads or before, stop), daemon=True)
+            for _ in range(peers)]
     try:
-        _time_all(gm, inputs, repeats, forward, backward, input_grad, params)
+        with scalar_buffers_kept(gm, every_buffer=True):  # the peers' writes too, once they have stopped
+            for t in load:
+                t.start()
+            try:
+                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params)
+            finally:
+                stop.set()
+                for t in load:
+                    t.join()
     finally:
         torch.set_num_threads(before)
     rows = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()), 1)
     median = lambda d: {k: statistics.median(v) for k, v in d.items()}
-    return NodeTimes(forward=median(forward), backward=median(backward), input_grad=median(input_grad), rows=rows,
-                     repeats=repeats, threads=threads or before)
+    forward_s = median(forward)
+    scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
+    return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
+                     input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
+                     forward_scale=scale, peers=peers)
 
 
-def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> None:
+def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
+    """A peer worker: the graph's forward, without grad, on copies of the inputs, until ``stop``."""
+    torch.set_num_threads(threads)  # per thread, as a worker sets its own
+    with torch.no_grad():
+        while not stop.is_set():
+            gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+
+
+def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
+    """A peer worker: the graph's forward, without grad, on copies of the inputs, until ``stop``."""
+    torch.set_num_threads(threads)  # per thread, as a worker sets its own
+    with torch.no_grad():
+        while not stop.is_set():
+            gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+
+
+# Note [the interpreter's share]: a node timed under fx's Interpreter also pays for fetching its arguments from the
+# environment, which a stage's generated code does not; on small ops that is a share of the time. Each node's forward
+# is scaled by the graph's own forward (gm(*inputs), the generated code, as a stage runs) over their sum.
+def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> float:
+    """Fills the three tables; returns the median seconds of the graph's own forward, with grad."""
+    whole = []
     with scalar_buffers_kept(gm, every_buffer=True), torch.random.fork_rng(devices=[]), torch.enable_grad():
         for _ in range(repeats):
+            copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]  # a write in place stays here
+            start = time.perf_counter()
+            gm(*copies)
+            whole.append(time.perf_counter() - start)
             _time_backward(gm, inputs, forward, backward, params, inputs_only=False)
             try:
                 for p in params:
@@ -105,6 +149,7 @@ def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> Non
             finally:
                 for p in params:
                     p.requires_grad_(True)
+    return statistics.median(whole)
 
 
 def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward: dict, params: list,

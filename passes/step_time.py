@@ -64,15 +64,18 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
     prediction = PredictedStepTime(stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint,
                                    n_devices=built.n_devices, bubble=built.bubble_fraction, link=link,
                                    source=f"measured at {times.rows} rows on {times.threads} thread(s), median of "
-                                          f"{times.repeats}" if times.repeats else "from FLOPs at a stated rate",
+                                          f"{times.repeats}, {times.peers} peer(s) running, forward "
+                                          f"x{times.forward_scale:.2f} (the generated code)"
+                                   if times.repeats else "from FLOPs at a stated rate",
                                    stretch=stretch)
     plan.step_time = prediction
     return prediction
 
 
-# Note [workers sharing cores]: CPU workers each run on cores // workers intra-op threads (at least one), so more
-# workers than cores time-slice: a task's wall time stretches by the workers busy at once over the cores. On average
-# K (1 - bubble) devices are busy; node times are measured alone, on one worker's threads.
+# Note [workers sharing cores]: CPU workers each run on cores // workers intra-op threads (at least one), and share
+# the process (its GIL), the memory bandwidth and, past one worker a core, the cores. Node times measured while K - 1
+# peer threads run the graph (measure_node_times' ``peers``) carry that; measured alone, ``cores`` stretches them by
+# the workers busy at once over the cores (on average K (1 - bubble)), where that is over one.
 def _stretch(schedule: Schedule, cores: int | None) -> float:
     if not cores:
         return 1.0

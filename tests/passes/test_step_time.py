@@ -108,6 +108,8 @@ def test_measured_times_leave_the_model_as_it_was_and_validate_a_real_step():
     model, x, costed, _ = planned(n_stages=2, chunks=4)
     flags = [p.requires_grad for p in model.parameters()]
     times = measure_node_times(costed.traced.graph_module, [x[:2]], repeats=1, threads=1)
+    loaded = measure_node_times(costed.traced.graph_module, [x[:2]], repeats=1, threads=1, peers=1)
+    assert loaded.peers == 1 and set(loaded.forward) == set(times.forward)
     assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
     linears = [n for n in costed.costs if "layers" in n or n.startswith("out")]
     assert set(times.forward) == set(costed.costs) and all(times.weight(n) >= 0 for n in linears)
