@@ -35,8 +35,9 @@ class NodeTimes:
     peers: int = 0  # threads that ran the graph meanwhile
 
     def weight(self, name: str) -> float:
-        """W: the parameter gradients' share of the node's backward."""
-        return max(self.backward.get(name, 0.0) - self.input_grad.get(name, 0.0), 0.0)
+        """W: the parameter gradients' share of the node's backward, between 0 and all of it (two runs' noise)."""
+        whole = self.backward.get(name, 0.0)
+        return min(max(whole - self.input_grad.get(name, 0.0), 0.0), whole)
 
 
 # Note [backward time per node]: the CPU autograd engine runs one node at a time on the calling thread, so a pre-hook

@@ -47,8 +47,9 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
     for s in plan.stages:
         names = (*s.nodes, *s.replicated)
         forward = sum(times.forward.get(name, 0.0) for name in names)
-        b_only = sum(times.input_grad.get(name, 0.0) for name in s.nodes)
+        w_only = sum(times.weight(name) for name in s.nodes)
         fused = sum(times.backward.get(name, 0.0) for name in s.nodes)
+        b_only = fused - w_only  # B + W is the fused backward, each node's W at least 0
         apart = [built.splits_backward and _inputs_need_grads(plan, s.inputs) and (s.index, i) not in
                  built.full_backwards for i in range(n)]
         recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
@@ -58,7 +59,7 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
             stage=s.index, device=built.device_of(s.index), forward=stretch * forward * sum(scale),
             recompute=stretch * forward * sum(x for x, r in zip(scale, recomputed) if r),
             backward=stretch * sum(x * (b_only if a else fused) for x, a in zip(scale, apart)),
-            weight=stretch * sum(x * (fused - b_only) for x, a in zip(scale, apart) if a),
+            weight=stretch * sum(x * w_only for x, a in zip(scale, apart) if a),
             loss=loss_seconds * sum(scale) if s.index == plan.n_stages - 1 else 0.0,
             send=_moved(link, sent, n), receive=_moved(link, received, n)))
     prediction = PredictedStepTime(stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint,
