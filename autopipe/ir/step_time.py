@@ -157,8 +157,13 @@ class Validation:
         p = self.prediction
         untimed = ", ".join(f"stage {s.stage} {name} {_ms(getattr(s, name))} ms" for s in p
                             for name in ("loss", "send", "receive") if getattr(s, name))
+        devices = sorted({c.device for c in self.checks})
+        per_device = ", ".join(
+            f"{d}: {_ms(sum(sum(c.predicted.values()) for c in self.checks if c.device == d))} / "
+            f"{_ms(sum(sum(c.measured.values()) for c in self.checks if c.device == d))}" for d in devices)
         lines = [f"Predicted / measured per stage ({p.schedule}, M={p.chunks}, checkpoint={p.checkpoint!r}; measured: "
                  f"the median of {self.steps} step(s); a miss: more than {MISS:.0%} off, naming its worst term)", table,
+                 f"per device (the stages it holds), predicted / measured (ms): {per_device}",
                  f"{'all within' if self.ok else f'{len(self.misses)} stage(s) not within'} {MISS:.0%}"]
         if untimed:
             lines.append(f"predicted, not in the Timeline's tasks: {untimed}")

@@ -68,13 +68,16 @@ def test_zbv_adds_up_the_two_stages_a_device_holds():
     assert [s.device for s in prediction] == [0, 1, 1, 0]
     assert prediction.per_device()[0] == pytest.approx(prediction[0].total + prediction[3].total)
     assert prediction.step == pytest.approx(max(prediction.per_device()) / (1 - prediction.bubble))
+    report = plan.validate(timeline_of(prediction, plan, {}))
+    pair = 1e3 * (prediction[0].timed + prediction[3].timed)
+    assert report.ok and f"0: {pair:.2f} / {pair:.2f}" in str(report)
 
 
 def timeline_of(prediction, plan, scale: dict) -> Timeline:
     """A timeline whose tasks take the predicted time, times ``scale[(stage, kind)]`` where given."""
     timeline, clock = Timeline(Schedule.build("1f1b", plan.n_stages, prediction.chunks)), 0.0
     for s in prediction:
-        for kind in ("forward", "recompute", "backward"):
+        for kind in ("forward", "recompute", "backward", "weight"):
             seconds = getattr(s, kind) * scale.get((s.stage, kind), 1.0) / prediction.chunks
             for i in range(prediction.chunks):
                 timeline._events.append(Event(s.stage, i, kind, clock, clock + seconds))
