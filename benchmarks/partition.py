@@ -55,7 +55,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopipe  # noqa: E402
+from autopipe.ir.step_time import Link  # noqa: E402
 from autopipe.passes.cost import CostedGraph, cost  # noqa: E402
+from autopipe.passes.node_times import times_from_flops  # noqa: E402
+from autopipe.passes.step_time import crossing_price, predict_step_time  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
 from autopipe.ir.plan import Plan, human_bytes  # noqa: E402
 from benchmarks import _baselines  # noqa: E402
@@ -350,6 +353,85 @@ def plan_timing(case: Case, k: int = 8, chunks: int = CHUNKS) -> dict[str, Any]:
             "partition_s": time.perf_counter() - start, "imbalance": plan.imbalance}
 
 
+# ---- Llama-3-70B on meta: the cut at real scale ---------------------------------------------------
+
+# Stated, not measured (no such device here): an H100's dense bf16 peak (989 TFLOP/s) at 40% of it, and two links.
+DEVICE_FLOPS = 400e12
+LINKS = {"IB 400G": Link(50e9, 5e-6, "stated: 400 Gb/s InfiniBand, a port a GPU"),
+         "100GbE": Link(12.5e9, 10e-6, "stated: 100 Gb/s Ethernet")}
+
+
+def greedy_least_bottleneck(weights: Sequence[float], k: int) -> float:
+    """The least bottleneck of k contiguous stages of ``weights``, by bisection over a greedy fill: independent of
+    passes/cut_solver.py, on the nodes before partition groups them (a finer order, so never above the solver's)."""
+    import numpy as np
+    prefix = np.concatenate(([0.0], np.cumsum(weights)))
+
+    def fits(bound: float) -> bool:
+        a = 0
+        for _ in range(k):
+            a = int(np.searchsorted(prefix, prefix[a] + bound, side="right")) - 1
+            if a >= len(weights):
+                return True
+        return False
+
+    low, high = max(weights), float(prefix[-1])
+    while high - low > 1e-9 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
+def llama_70b(ks: Sequence[int] = (8, 16), chunks: int = 16, seq: int = 4096, batch: int = 16) -> str:
+    """Llama-3-70B's shape (transformers' LlamaForCausalLM, built on meta, float32) planned at K stages: unpriced at
+    the default tolerance and at 0, and with the crossing bytes priced at each stated link; each plan's predicted
+    1F1B step time (passes/step_time.py on FLOPs at DEVICE_FLOPS) at each link."""
+    import transformers
+    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=8192, rope_theta=500000.0)
+    with torch.device("meta"):
+        model, ids = transformers.LlamaForCausalLM(config), torch.zeros(batch, seq, dtype=torch.long)
+    log("[llama-3-70b] trace + cost (meta)")
+    start = time.perf_counter()
+    costed = cost(trace(model, (), {"input_ids": ids}))
+    planned_s = time.perf_counter() - start
+    times = times_from_flops(costed, DEVICE_FLOPS)
+    rows, checks = [], []
+    for k in ks:
+        view = node_view(costed, k)
+        greedy = greedy_least_bottleneck([view.weight_of[n] for n in view.order], k)
+        variants = [("flops", {}), ("flops, tolerance 0", {"tolerance": 0.0}), ("train_flops", {"balance": "train_flops"})]
+        variants += [(f"train_flops priced at {name}", {"balance": "train_flops",
+                                                        "crossing_price": crossing_price(link, DEVICE_FLOPS)})
+                     for name, link in LINKS.items()]
+        for label, options in variants:
+            log(f"[llama-3-70b] K={k} {label}")
+            start = time.perf_counter()
+            plan = adapter.partition(costed, k, chunks=chunks, **options)
+            seconds = time.perf_counter() - start
+            crossing = [sum(t.nbytes for t in plan.cut_tensors(c)) for c in range(k - 1)]
+            cuts = [len(plan.cut_tensors(c)) for c in range(k - 1)]
+            steps = [predict_step_time(costed, plan, times, "1f1b", "never", chunks, link=link).step
+                     for link in LINKS.values()]
+            rows.append([k, label, f"{plan.bottleneck / plan.lower_bound:.4f}", f"{plan.imbalance:.4f}",
+                         f"{sum(cuts)} (most {max(cuts)})", human_bytes(max(crossing)), human_bytes(sum(crossing)),
+                         *(f"{s:.3f}" for s in steps), f"{seconds:.1f}"])
+            if label == "flops, tolerance 0":
+                checks.append(f"K={k}: least bottleneck / lower bound {plan.optimum / plan.lower_bound:.4f} (the "
+                              f"solver); {greedy / plan.lower_bound:.4f} by a greedy fill over the ungrouped nodes")
+    table = tabulate(rows, headers=["K", "plan", "max/LB", "max/mean", "cut tensors", "widest cut", "bytes crossing",
+                                    *(f"1F1B step s, {n}" for n in LINKS), "partition s"], tablefmt="simple",
+                     disable_numparse=True)
+    return "\n".join([
+        f"llama-3-70b (80 blocks, d=8192, MLP 28672, vocab 128256; meta, float32), batch {batch} x seq {seq}, "
+        f"M={chunks}: trace + cost {planned_s:.1f} s ({len(costed.costs)} nodes)", table,
+        f"step: the busiest device's forward, B, W and link time over 1 - the 1F1B bubble, node times from FLOPs at "
+        f"{DEVICE_FLOPS / 1e12:.0f} TFLOP/s (stated); links: " + "; ".join(f"{n} = {link}" for n, link in LINKS.items()),
+        "bytes at the whole mini-batch, one way; a priced plan pays 2 x bytes / bandwidth per cut each side "
+        "(value and gradient)", *checks])
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 
@@ -417,7 +499,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results-dir", type=Path, default=RESULTS.parent,
                     help=f"where to write partition.txt (default {RESULTS.parent})")
+    ap.add_argument("--skip-llama", action="store_true", help="leave out the Llama-3-70B case (about a minute)")
+    ap.add_argument("--only-llama", action="store_true", help="the Llama-3-70B case alone, printed, nothing written")
     args = ap.parse_args(argv)
+    if args.only_llama:
+        print(llama_70b())
+        return 0
     results = args.results_dir / RESULTS.name
     started = time.perf_counter()
     rows: list[Row] = []
@@ -428,6 +515,7 @@ def main(argv=None) -> int:
     synth = synthetic()
     log("[gpt-48] autopipe.plan, K=8")
     big = plan_timing(gpt_case(48, ks=(8,)))
+    llama = "" if args.skip_llama else llama_70b()
     elapsed = time.perf_counter() - started
     lines = [
         machine_header(),
@@ -442,6 +530,8 @@ def main(argv=None) -> int:
         f"gpt-48 (d=1024, seq 1024, batch 8, meta), K=8: autopipe.plan {big['plan_s']:.2f} s; run apart: trace "
         f"{big['trace_s']:.2f} s, cost {big['cost_s']:.2f} s, partition pass {big['partition_s']:.3f} s "
         f"({big['nodes']} nodes); max/mean {big['imbalance']:.3f}",
+        "",
+        llama,
         f"whole benchmark: {elapsed:.0f} s",
     ]
     text = "\n".join(lines)

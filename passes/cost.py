@@ -44,6 +44,13 @@ class CostedGraph:
     def total_flops(self) -> int:
         return sum(c.flops for c in self.costs.values())
 
+    def training_flops(self) -> dict[str, float]:
+        """Per node, a training step's FLOPs: its forward, the input gradient (as many again), and the weight gradient
+        (as many again) where it reads a trainable parameter: balance="train_flops", the step-time model on FLOPs."""
+        trainable = {name for name, p in self.traced.graph_module.named_parameters(remove_duplicate=False)
+                     if p.requires_grad}
+        return {name: float(c.flops) * (3 if trainable.intersection(c.params) else 2) for name, c in self.costs.items()}
+
 
 def cost(traced: TracedModel, *, measure_inputs: Sequence[torch.Tensor] | None = None) -> CostedGraph:
     """Cost every call node of traced; time them on measure_inputs if given."""

@@ -61,10 +61,10 @@ class _Chain:
     """The problem as arrays over cut positions 0..N."""
 
     def __init__(self, problem: CutProblem):
-        n = self.n = _validated_size(problem)
+        n = self.n = validated_size(problem)
         self.stages, self.cap = problem.n_stages, problem.memory_cap
         self.prefix = np.concatenate(([0.0], np.cumsum(np.asarray(problem.weights, dtype=float))))
-        self.live_tensors, self.live_bytes = _live_across_positions(problem, n)
+        self.live_tensors, self.live_bytes = live_across_positions(problem, n)
         own = np.zeros(n)
         spans: dict[tuple[int, ...], float] = {}
         for size, nodes in problem.shared_memory or ():
@@ -137,7 +137,7 @@ class _Chain:
                            stage_memory=tuple(float(m) for m in self.held(first, last)))
 
 
-def _validated_size(problem: CutProblem) -> int:
+def validated_size(problem: CutProblem) -> int:
     n, k = len(problem.weights), problem.n_stages
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"n_stages must be a positive integer, got {k!r}")
@@ -159,7 +159,7 @@ def _validated_size(problem: CutProblem) -> int:
     return n
 
 
-def _live_across_positions(problem: CutProblem, n: int) -> tuple[np.ndarray, np.ndarray]:
+def live_across_positions(problem: CutProblem, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Tensors and bytes live across every position, from one difference array: O(N + E)."""
     per_node = np.fromiter(map(len, problem.consumers), dtype=np.int64, count=n)
     readers = np.fromiter(itertools.chain.from_iterable(problem.consumers), dtype=np.int64, count=int(per_node.sum()))

@@ -20,6 +20,7 @@ from .cut_solver import CutProblem, CutSolution, NoCutKeepsWhole, NoFeasiblePlan
 from .diagnostics import node_where
 from .inplace_writes import InPlaceWrites, ReadAfterWrite, find_inplace_writes
 from .kept_ranges import KeptRanges
+from .priced_cuts import solve_priced_cuts
 from .microbatch_analysis import MicroBatchAnalysis, analyse_micro_batches
 from .microbatch_analysis.facts import is_inplace, rows_per_sample
 
@@ -29,11 +30,15 @@ __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cu
 def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.device] | None = None, chunks: int = 1,
               balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None,
               notes: Sequence[str] = (), analysis: MicroBatchAnalysis | None = None,
-              cut_of: Plan | None = None) -> Plan:
+              cut_of: Plan | None = None, crossing_price: float = 0.0) -> Plan:
     """``n_stages`` contiguous stages of ``costed``'s graph. ``analysis``: the micro-batch analysis of its graph (run
     here where not given). Raises NoFeasiblePlan naming an in-place write where no cut within ``tolerance`` keeps it
     in one stage with the reads that must see it. ``cut_of``: a plan of the same model traced at other input shapes:
-    its cut is kept where this graph has the same nodes (each node in the stage it had there), else solved anew."""
+    its cut is kept where this graph has the same nodes (each node in the stage it had there), else solved anew.
+    ``balance``: "flops" (forward FLOPs), "train_flops" (forward and backward: CostedGraph.training_flops), "params",
+    "time" (measured forward seconds) or per-stage shares.
+    ``crossing_price``: what a byte live across a cut costs each of its two stages, in the balance's units
+    (passes/step_time.py's ``crossing_price`` from a link); 0: bytes only break ties within the tolerance."""
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
@@ -71,7 +76,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
         solution = _solve_keeping_writes(CutProblem(
             weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
             shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks),
-            kept_whole=[ranges for ranges, _ in kept]), kept)
+            kept_whole=[ranges for ranges, _ in kept]), kept, crossing_price)
         starts, optimum = list(solution.starts), solution.optimum
     else:
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
@@ -83,6 +88,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     analysis = analysis if analysis is not None else analyse_micro_batches(costed.traced)
     plan = _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum,
                        outputs, analysis)
+    plan.crossing_price = crossing_price
     plan.notes.extend(notes)
     if chunks > 1:
         plan.notes.extend(analysis.merge_notes(name for name, info in plan.tensors.items() if info.is_output))
@@ -181,10 +187,12 @@ def _writes_kept_whole(writes: InPlaceWrites, index: dict[fx.Node, int],
     return kept
 
 
-def _solve_keeping_writes(problem: CutProblem, kept: list[tuple[list[tuple[int, int]], ReadAfterWrite]]) -> CutSolution:
-    """solve_cuts, refusing by name a write no plan within the tolerance keeps with its reads."""
+def _solve_keeping_writes(problem: CutProblem, kept: list[tuple[list[tuple[int, int]], ReadAfterWrite]],
+                          crossing_price: float = 0.0) -> CutSolution:
+    """solve_cuts (solve_priced_cuts with a crossing price), refusing by name a write no plan within the tolerance
+    keeps with its reads."""
     try:
-        return solve_cuts(problem)
+        return solve_priced_cuts(problem, crossing_price) if crossing_price else solve_cuts(problem)
     except NoCutKeepsWhole as e:
         need = e.least_bottleneck / e.optimum - 1 if e.optimum else math.inf
         asked = f"{problem.n_stages} stages within tolerance={problem.tolerance:g}"
@@ -211,6 +219,9 @@ def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
         return weights
     if balance == "time":  # measured by compile, which refuses a meta model first
         return [costed.costs[n.name].seconds for n in nodes]
+    if balance == "train_flops":  # forward and backward: what the step-time model counts on FLOPs
+        train = costed.training_flops()
+        return [train[n.name] for n in nodes]
     return [float(costed.costs[n.name].flops) for n in nodes]
 
 

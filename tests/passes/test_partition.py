@@ -316,3 +316,49 @@ def test_every_plan_keeps_each_inplace_write_with_the_reads_that_must_see_it(ste
     with torch.no_grad():  # the writes change what autograd saved: forward values only
         (got,) = run_stages(plan, codegen(traced.graph_module, plan), [x])
         assert torch.equal(got, model(x))
+
+
+class WideMiddles(nn.Module):
+    """Three blocks, each narrow -> wide -> narrow: at two stages the balanced cut is inside the middle block, where
+    the wide value crosses (with the narrow input of its residual)."""
+
+    def __init__(self, d=8, wide=64):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(d, wide) for _ in range(3))
+        self.down = nn.ModuleList(nn.Linear(wide, d) for _ in range(3))
+
+    def forward(self, x):
+        for up, down in zip(self.up, self.down):
+            x = x + down(torch.relu(up(x)))
+        return x
+
+
+def test_priced_crossings_move_the_cut_off_a_wide_value_and_stay_exact():
+    """Unpriced, the cut is balanced and carries the wide value; priced at 4 FLOPs a byte, it moves to a block
+    boundary (only the narrow residual crosses): a worse balance, a smaller largest stage with its link. The priced plan
+    runs as the plain model does, in float64."""
+    model = WideMiddles().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    _, plain, _ = stages_of(model, (x,), 2)
+    wide = max(t.nbytes for t in plain.cut_tensors(0))
+    assert wide == 4 * 64 * 8  # (batch, wide) float64
+    traced, priced, stages = stages_of(model, (x,), 2, crossing_price=4.0)
+    assert [list(t.shape) for t in priced.cut_tensors(0)] == [[4, 8]]
+    assert priced.bottleneck > plain.bottleneck and priced.crossing_price == 4.0
+    plain.crossing_price = 4.0  # the unpriced cut, priced alike
+    assert priced.optimum <= priced.priced_bottleneck <= 1.03 * priced.optimum
+    assert priced.priced_bottleneck < plain.priced_bottleneck
+    assert "crossings priced at 4" in str(priced)
+    (got,) = run_stages(priced, stages, traced.flat_inputs((x,), {}))
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_train_flops_weigh_a_weight_gradient_where_there_are_weights():
+    c = costed(WideMiddles(), torch.randn(4, 8))
+    train = c.training_flops()
+    linear = next(n for n in c.costs if n.startswith("up_0"))
+    relu = next(n for n in c.costs if n.startswith("relu"))
+    assert train[linear] == 3 * c.costs[linear].flops and train[relu] == 2 * c.costs[relu].flops
+    plan = partition(c, 2, balance="train_flops")
+    assert plan.total_cost == pytest.approx(sum(train.values()) - sum(train[n] for s in plan.stages
+                                                                       for n in s.replicated if n not in s.nodes))

@@ -1,0 +1,166 @@
+"""The step-time model against the Timeline: each stage's predicted seconds (passes/step_time.py) beside what its tasks
+measured, per term, on the zoo and small transformers models at K=2 and 4, CPU worker threads in one process.
+
+    python benchmarks/cost_model.py            # every model, K=2 and 4 (a few minutes on 2 cores)
+    python benchmarks/cost_model.py --quick    # one small model at K=2: a smoke test, not a measurement
+    python benchmarks/cost_model.py --models gpt2 --ks 2
+
+Per (model, K, schedule, checkpoint): at K=2 1F1B with checkpoint="except_last" (a recompute for all but the last
+micro-batch), zb-h1 (B and W apart) and zbv (two stages a device, summed per device); at K=4 1F1B. autopipe.compile on
+K CPU workers (cores // K intra-op threads each, at least one); the node times measured once at one micro-batch on one
+worker's threads while K - 1 peer threads run the graph, as the other workers will (``--alone``: with none, and the
+tasks stretched by busy workers over cores instead; passes/node_times.py); the prediction
+(predict_step_time, with the loss function timed on one micro-batch's outputs and the link of the in-process
+transport measured by a ping-pong); then ``--steps`` steps after two warm-up steps, and ``plan.validate`` over
+their timelines: the median step per (stage, kind). The table prints predicted / measured per stage and timed term
+and the error of the stage's sum; "worst" names the term furthest off where a stage misses by more than 10%. The
+loss and the link are predicted and printed, not compared: the Timeline times the stages' tasks only. A gloo
+ping-pong is printed too, the link a torchrun pipeline on this machine would pay. Writes
+benchmarks/results/cost_model.txt (cost_model-quick.txt with --quick) under a header naming the machine.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import autopipe  # noqa: E402
+from autopipe.passes.cost import cost  # noqa: E402
+from autopipe.passes.node_times import measure_loss, measure_node_times  # noqa: E402
+from autopipe.passes.step_time import measure_link, predict_step_time  # noqa: E402
+from autopipe.passes.trace import trace  # noqa: E402
+from benchmarks import _common  # noqa: E402
+from zoo.models import GPT, cnn_like, transformer_like  # noqa: E402
+
+CHUNKS = 8
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], tuple[nn.Module, tuple, dict, Callable | None, Any]]  # model, args, kwargs, loss_fn, target
+
+
+def _zoo_transformer():
+    g = torch.Generator().manual_seed(1)
+    return transformer_like(d=256, hidden=1024, blocks=8), (torch.randn(256, 256, generator=g),), {}, \
+        nn.MSELoss(), torch.randn(256, 256, generator=g)
+
+
+def _zoo_gpt():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 2048, (16, 64), generator=torch.Generator().manual_seed(1))
+    lm = lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return GPT(vocab=2048, d=128, heads=4, layers=6, block=64, dropout=None), (ids,), {}, lm, ids
+
+
+def _zoo_cnn():
+    g = torch.Generator().manual_seed(1)
+    return cnn_like(width=16), (torch.randn(32, 3, 32, 32, generator=g),), {}, nn.CrossEntropyLoss(), \
+        torch.randint(0, 10, (32,), generator=g)
+
+
+def _hf(config_of: Callable[[Any], Any], model_of: str):
+    def build():
+        import transformers
+        torch.manual_seed(0)
+        model = getattr(transformers, model_of)(config_of(transformers))
+        ids = torch.randint(0, 1024, (16, 64), generator=torch.Generator().manual_seed(1))
+        return model, (), {"input_ids": ids, "labels": ids.clone()}, None, None  # the model's own loss
+    return build
+
+
+CASES = {
+    "transformer_like": Case("transformer_like", _zoo_transformer),
+    "gpt": Case("gpt", _zoo_gpt),
+    "cnn": Case("cnn", _zoo_cnn),
+    "gpt2": Case("gpt2", _hf(lambda t: t.GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
+                                                    bos_token_id=0, eos_token_id=0), "GPT2LMHeadModel")),
+    "llama": Case("llama", _hf(lambda t: t.LlamaConfig(num_hidden_layers=6, hidden_size=128, num_attention_heads=4,
+                                                       num_key_value_heads=2, intermediate_size=352, vocab_size=1024,
+                                                       max_position_embeddings=64), "LlamaForCausalLM")),
+}
+
+
+# (schedule, checkpoint) rows per K: 1F1B re-materialising all but the last micro-batch (compile's default), zb-h1
+# with B and W apart, zbv with two stages a device
+ROWS = {2: [("1f1b", "except_last"), ("zb-h1", "never"), ("zbv", "never")], 4: [("1f1b", "except_last")]}
+
+
+def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link,
+            alone: bool = False) -> tuple[str, list]:
+    """One (model, K, schedule): the validation table and its summary row."""
+    model, args, kwargs, loss_fn, target = case.build()
+    pipe = autopipe.compile(model, k, CHUNKS, example_inputs=args, example_kwargs=kwargs, schedule=schedule,
+                            checkpoint=checkpoint)
+    step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+    step()  # compiles
+    traced = trace(model, args, kwargs)
+    flat = traced.flat_inputs(args, kwargs)
+    batch, rows = traced.batch_size, traced.batch_size // CHUNKS
+    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
+    threads = pipe.intra_op_threads
+    times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1)
+    loss = 0.0
+    if loss_fn is not None:
+        with torch.no_grad():
+            out = model(*(a[:rows] for a in args))
+        loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
+    prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
+                                   loss_seconds=loss, cores=_common.cores() if alone else None)
+    step()
+    timelines = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        step()
+        timelines.append(pipe.timeline)
+    report = pipe.plan.validate(timelines)
+    worst = max(report.checks, key=lambda c: abs(c.error))
+    makespan = sorted(t.makespan for t in timelines)[len(timelines) // 2]
+    summary = [case.name, k, f"{schedule} ({checkpoint})", pipe.plan.n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
+               worst.worst if worst.missed else "-", f"{1e3 * prediction.step:.1f}", f"{1e3 * makespan:.1f}"]
+    title = f"== {case.name}, K={k}, {schedule}, checkpoint={checkpoint!r}, M={CHUNKS}, {threads} thread(s) a worker"
+    return "\n".join([title, str(prediction), str(report)]), summary
+
+
+def main(argv=None) -> int:
+    p = _common.parser(__doc__)
+    p.add_argument("--models", nargs="+", choices=list(CASES), default=None)
+    p.add_argument("--ks", nargs="+", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; --quick 2)")
+    p.add_argument("--alone", action="store_true", help="node times measured with no peer workers running; tasks "
+                   "stretched by busy workers over cores instead (Note [workers sharing cores])")
+    a = p.parse_args(argv)
+    models = a.models or (["transformer_like"] if a.quick else list(CASES))
+    ks = a.ks or ([2] if a.quick else [2, 4])
+    steps, repeats = a.steps or (2 if a.quick else 5), a.repeats or (2 if a.quick else 5)
+    link = measure_link("threads")
+    gloo = measure_link("gloo")
+    blocks, rows = [], []
+    for name in models:
+        for k in ks:
+            for schedule, checkpoint in ROWS.get(k, ROWS[4]):
+                _common.progress(f"{name} K={k} {schedule} checkpoint={checkpoint}")
+                text, summary = measure(CASES[name], k, schedule, checkpoint, steps, repeats, link, a.alone)
+                blocks.append(text)
+                rows.append(summary)
+    summary = _common.table(rows, ["model", "K", "schedule", "stages", "worst stage error", "worst term",
+                                   "predicted step (ms)", "measured makespan (ms)"])
+    head = _common.header("cost_model", [f"in-process {link}", f"torchrun's link here: {gloo}",
+                                         f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured "
+                                         f"{'alone, stretched by busy workers over cores' if a.alone else 'with K - 1 peer threads running the graph'}",
+                                         "a stage misses where predicted and measured differ by more than 10%"],
+                          quick=a.quick)
+    _common.write("cost_model", "\n\n".join([head, summary, *blocks]), quick=a.quick, results_dir=a.results_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

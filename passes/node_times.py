@@ -1,0 +1,199 @@
+"""Each node's measured seconds at one micro-batch: its forward, its whole backward, and its backward towards its inputs
+alone (B, with the parameters frozen); W is the difference. passes/step_time.py adds them up per stage."""
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .cost import CostedGraph
+from .fake_shapes import MutableArguments
+from .model_state import scalar_buffers_kept
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class NodeTimes:
+    """Median seconds per call node over ``repeats`` runs at ``rows`` batch rows. ``backward``: the node's share of a
+    backward to every input and parameter; ``input_grad``: of a backward to the inputs only (what B runs)."""
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    input_grad: dict[str, float]
+    rows: int
+    repeats: int
+    threads: int = 1
+    forward_scale: float = 1.0  # the graph's own forward over its nodes' sum under the Interpreter
+    peers: int = 0  # threads that ran the graph meanwhile
+
+    def weight(self, name: str) -> float:
+        """W: the parameter gradients' share of the node's backward, between 0 and all of it (two runs' noise)."""
+        whole = self.backward.get(name, 0.0)
+        return min(max(whole - self.input_grad.get(name, 0.0), 0.0), whole)
+
+
+# Note [backward time per node]: the CPU autograd engine runs one node at a time on the calling thread, so a pre-hook
+# on each graph node's grad_fn stamps when its backward begins, and the next stamp ends it; the time in between is
+# that node's autograd functions (a Linear's addmm, transpose and bias sum). Timed with autograd.grad, so no .grad is
+# left on the model; the B run freezes the parameters and makes each value of the inputs require a gradient.
+class _Recorder(MutableArguments):
+    """Runs the graph, timing each call node's forward and stamping its backward (Note [backward time per node])."""
+
+    def __init__(self, gm: fx.GraphModule, forward: dict[str, list[float]], inputs_only: bool):
+        super().__init__(gm)
+        self.forward, self.inputs_only = forward, inputs_only
+        self.stamps: list[tuple[float, str]] = []
+        self.hooked: set[int] = set()
+        self.leaves: list[torch.Tensor] = []
+        self.from_inputs: set[fx.Node] = set()
+
+    def run_node(self, n: fx.Node):
+        start = time.perf_counter()
+        result = super().run_node(n)
+        if n.op not in _CALLS:
+            if n.op == "placeholder":
+                self.from_inputs.add(n)
+            return result
+        self.forward[n.name].append(time.perf_counter() - start)
+        batched = any(a in self.from_inputs for a in n.all_input_nodes)
+        if batched:
+            self.from_inputs.add(n)
+        for t in tree_leaves(result):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if self.inputs_only and batched and t.grad_fn is None and t.is_floating_point() and not t.requires_grad:
+                t.requires_grad_()  # a leaf computed from the inputs alone: B's gradients start here
+                self.leaves.append(t)
+            if t.grad_fn is not None and id(t.grad_fn) not in self.hooked:
+                self.hooked.add(id(t.grad_fn))
+                t.grad_fn.register_prehook(lambda *_, name=n.name: self.stamps.append((time.perf_counter(), name)))
+        return result
+
+
+def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
+                       peers: int = 0) -> NodeTimes:
+    """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
+    only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's), while ``peers`` threads
+    run the graph's forward meanwhile (Note [workers sharing cores]). Buffers, RNG, the thread count and the
+    parameters' ``requires_grad`` and ``.grad`` are left as they were."""
+    forward: dict[str, list[float]] = collections.defaultdict(list)
+    backward: dict[str, list[float]] = collections.defaultdict(list)
+    input_grad: dict[str, list[float]] = collections.defaultdict(list)
+    params = [p for p in gm.parameters() if p.requires_grad]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    stop = threading.Event()
+    load = [threading.Thread(target=_busy, args=(gm, inputs, threads or before, stop), daemon=True)
+            for _ in range(peers)]
+    try:
+        with scalar_buffers_kept(gm, every_buffer=True):  # the peers' writes too, once they have stopped
+            for t in load:
+                t.start()
+            try:
+                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params)
+            finally:
+                stop.set()
+                for t in load:
+                    t.join()
+    finally:
+        torch.set_num_threads(before)
+    rows = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()), 1)
+    median = lambda d: {k: statistics.median(v) for k, v in d.items()}
+    forward_s = median(forward)
+    scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
+    return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
+                     input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
+                     forward_scale=scale, peers=peers)
+
+
+def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
+    """A peer worker: the graph's forward, without grad, on copies of the inputs, until ``stop``."""
+    torch.set_num_threads(threads)  # per thread, as a worker sets its own
+    with torch.no_grad():
+        while not stop.is_set():
+            gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+
+
+def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
+    """A peer worker: the graph's forward, without grad, on copies of the inputs, until ``stop``."""
+    torch.set_num_threads(threads)  # per thread, as a worker sets its own
+    with torch.no_grad():
+        while not stop.is_set():
+            gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+
+
+# Note [the interpreter's share]: a node timed under fx's Interpreter also pays for fetching its arguments from the
+# environment, which a stage's generated code does not; on small ops that is a share of the time. Each node's forward
+# is scaled by the graph's own forward (gm(*inputs), the generated code, as a stage runs) over their sum.
+def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> float:
+    """Fills the three tables; returns the median seconds of the graph's own forward, with grad."""
+    whole = []
+    with scalar_buffers_kept(gm, every_buffer=True), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for _ in range(repeats):
+            copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]  # a write in place stays here
+            start = time.perf_counter()
+            gm(*copies)
+            whole.append(time.perf_counter() - start)
+            _time_backward(gm, inputs, forward, backward, params, inputs_only=False)
+            try:
+                for p in params:
+                    p.requires_grad_(False)
+                _time_backward(gm, inputs, collections.defaultdict(list), input_grad, [], inputs_only=True)
+            finally:
+                for p in params:
+                    p.requires_grad_(True)
+    return statistics.median(whole)
+
+
+def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward: dict, params: list,
+                   inputs_only: bool) -> None:
+    recorder = _Recorder(gm, forward, inputs_only)
+    outputs = [t for t in tree_leaves(recorder.run(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = params + recorder.leaves
+    seen = {n: 0.0 for n in forward}
+    if outputs and wrt:
+        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        end = time.perf_counter()
+        stamps = recorder.stamps + [(end, "")]
+        for (at, name), (after, _) in zip(stamps, stamps[1:]):
+            seen[name] = seen.get(name, 0.0) + after - at
+    for name, seconds in seen.items():
+        backward[name].append(seconds)
+
+
+def times_from_flops(costed: CostedGraph, flops_per_second: float) -> NodeTimes:
+    """Node times of a device that runs every op at ``flops_per_second``, at the traced batch (a model on meta, a
+    device not at hand): forward = FLOPs / rate; B the same; W the same again where the node reads a trainable
+    parameter (a matmul's input and weight gradients each cost its forward: CostedGraph.training_flops)."""
+    forward = {name: c.flops / flops_per_second for name, c in costed.costs.items()}
+    step = {name: flops / flops_per_second for name, flops in costed.training_flops().items()}
+    return NodeTimes(forward=forward, backward={n: step[n] - forward[n] for n in forward}, input_grad=forward,
+                     rows=costed.traced.batch_size or 1, repeats=0, threads=0)
+
+
+def measure_loss(loss_fn, outputs, target=None, repeats: int = 3, threads: int | None = None) -> float:
+    """Median seconds of ``loss_fn(outputs, target)`` and its backward on one micro-batch's model outputs (the loss
+    ``pipe.step`` runs after the last stage's forward); ``outputs`` are detached first, so nothing else is touched."""
+    before, seconds = torch.get_num_threads(), []
+    torch.set_num_threads(threads or before)
+    try:
+        for _ in range(repeats):
+            value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), outputs)
+            grads = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+            start = time.perf_counter()
+            with torch.enable_grad():
+                loss = loss_fn(value, target)
+                if loss.requires_grad and grads:
+                    torch.autograd.grad(loss, grads, allow_unused=True)
+            seconds.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(seconds)

@@ -1,0 +1,131 @@
+"""passes/step_time.py and passes/node_times.py: a stage's predicted step time is built from its named terms (forward,
+recompute, B, W, loss, link), and ``plan.validate(timeline)`` names the term that misses. No wall-clock figure is
+asserted: the timelines compared against here are built, or only checked for their shape."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autopipe
+from autopipe.ir.step_time import Link
+from autopipe.passes.cost import cost
+from autopipe.passes.node_times import NodeTimes, measure_loss, measure_node_times
+from autopipe.passes.partition import partition
+from autopipe.passes.step_time import crossing_price, measure_link, predict_step_time
+from autopipe.passes.trace import trace
+from autopipe.runtime.timeline import Event, Timeline
+from autopipe.ir.schedule import Schedule
+from zoo.models import MLP
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def planned(n_stages=2, chunks=4, batch=8):
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(batch, 8)
+    costed = cost(trace(model, (x,), {}, route="fx"))
+    return model, x, costed, partition(costed, n_stages, chunks=chunks)
+
+
+def stated_times(costed, rows: int) -> NodeTimes:
+    """Given node times: forward 1 ms a node, backward 3 ms of which 1 ms is B."""
+    names = list(costed.costs)
+    return NodeTimes(forward={n: 1e-3 for n in names}, backward={n: 3e-3 for n in names},
+                     input_grad={n: 1e-3 for n in names}, rows=rows, repeats=1)
+
+
+def test_prediction_is_the_sum_of_its_named_terms():
+    _, _, costed, plan = planned(n_stages=2, chunks=4)
+    times = stated_times(costed, rows=2)  # one micro-batch of 8 rows / 4
+    link = Link(bandwidth=1e9, latency=1e-5)
+    fused = predict_step_time(costed, plan, times, "1f1b", "except_last", link=link, loss_seconds=5e-3)
+    split = predict_step_time(costed, plan, times, "zb-h1", "never", link=link)
+    assert plan.step_time is split  # what plan.validate reads
+    for s, f, z in zip(plan.stages, fused, split):
+        nodes = len(s.nodes) + len(s.replicated)
+        assert f.forward == pytest.approx(4 * nodes * 1e-3)
+        assert f.recompute == pytest.approx(3 * nodes * 1e-3)  # except_last: 3 of 4 micro-batches
+        assert z.recompute == 0
+        assert f.backward == pytest.approx(4 * len(s.nodes) * 3e-3) and f.weight == 0  # fused
+        assert f.loss == (pytest.approx(4 * 5e-3) if s.index == 1 else 0)
+        assert f.total == pytest.approx(f.forward + f.recompute + f.backward + f.weight + f.loss + f.send + f.receive)
+    # zb-h1 runs W apart on the stage that receives a float tensor: B is the input gradients alone; stage 0 fuses
+    assert split[0].weight == 0 and split[0].backward == pytest.approx(4 * len(plan.stages[0].nodes) * 3e-3)
+    assert split[1].backward == pytest.approx(4 * len(plan.stages[1].nodes) * 1e-3)
+    assert split[1].weight == pytest.approx(4 * len(plan.stages[1].nodes) * 2e-3)
+    crossing = [plan.tensors[n] for n in plan.stages[1].inputs if plan.tensors[n].producer == 0]
+    nbytes = 2 * sum(t.nbytes for t in crossing)  # the values, and their gradients back
+    assert fused[1].receive == pytest.approx(link.seconds(nbytes, 2 * 4 * len(crossing)))
+    assert fused[0].send == pytest.approx(fused[1].receive) and fused[0].receive == 0
+
+
+def test_zbv_adds_up_the_two_stages_a_device_holds():
+    _, _, costed, plan = planned(n_stages=4, chunks=4)
+    prediction = predict_step_time(costed, plan, stated_times(costed, rows=2), "zbv", "never")
+    assert [s.device for s in prediction] == [0, 1, 1, 0]
+    assert prediction.per_device()[0] == pytest.approx(prediction[0].total + prediction[3].total)
+    assert prediction.step == pytest.approx(max(prediction.per_device()) / (1 - prediction.bubble))
+    report = plan.validate(timeline_of(prediction, plan, {}))
+    pair = 1e3 * (prediction[0].timed + prediction[3].timed)
+    assert report.ok and f"0: {pair:.2f} / {pair:.2f}" in str(report)
+
+
+def timeline_of(prediction, plan, scale: dict) -> Timeline:
+    """A timeline whose tasks take the predicted time, times ``scale[(stage, kind)]`` where given."""
+    timeline, clock = Timeline(Schedule.build("1f1b", plan.n_stages, prediction.chunks)), 0.0
+    for s in prediction:
+        for kind in ("forward", "recompute", "backward", "weight"):
+            seconds = getattr(s, kind) * scale.get((s.stage, kind), 1.0) / prediction.chunks
+            for i in range(prediction.chunks):
+                timeline._events.append(Event(s.stage, i, kind, clock, clock + seconds))
+                clock += seconds
+    return timeline
+
+
+def test_validate_names_the_term_that_misses():
+    _, _, costed, plan = planned(n_stages=2, chunks=4)
+    prediction = predict_step_time(costed, plan, stated_times(costed, rows=2), "1f1b", "except_last")
+    agreed = plan.validate(timeline_of(prediction, plan, {}))
+    assert agreed.ok and all(abs(c.error) < 1e-9 for c in agreed.checks)
+    report = plan.validate(timeline_of(prediction, plan, {(1, "backward"): 2.0}))
+    assert not report.ok and [c.stage for c in report.misses] == [1] and report.misses[0].worst == "backward"
+    assert "miss: backward" in str(report) and "1 stage(s) not within 10%" in str(report)
+    # several steps: the median step per (stage, kind)
+    steps = [timeline_of(prediction, plan, {(1, "backward"): f}) for f in (1.0, 1.01, 3.0)]
+    assert plan.validate(steps).ok
+
+
+def test_validate_needs_a_prediction_and_a_step():
+    _, _, costed, plan = planned()
+    with pytest.raises(ValueError, match="no predicted step time"):
+        plan.validate(Timeline(Schedule.build("1f1b", 2, 4)))
+    predict_step_time(costed, plan, stated_times(costed, rows=2), "1f1b")
+    with pytest.raises(ValueError, match="no tasks"):
+        plan.validate(Timeline(Schedule.build("1f1b", 2, 4)))
+
+
+def test_measured_times_leave_the_model_as_it_was_and_validate_a_real_step():
+    model, x, costed, _ = planned(n_stages=2, chunks=4)
+    flags = [p.requires_grad for p in model.parameters()]
+    times = measure_node_times(costed.traced.graph_module, [x[:2]], repeats=1, threads=1)
+    loaded = measure_node_times(costed.traced.graph_module, [x[:2]], repeats=1, threads=1, peers=1)
+    assert loaded.peers == 1 and set(loaded.forward) == set(times.forward)
+    assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+    linears = [n for n in costed.costs if "layers" in n or n.startswith("out")]
+    assert set(times.forward) == set(costed.costs) and all(times.weight(n) >= 0 for n in linears)
+    assert measure_loss(lambda out, t: out.pow(2).mean(), model(x[:2]).detach(), repeats=1) > 0
+    pipe = autopipe.compile(model, 2, 4, example_inputs=(x,), schedule="1f1b")
+    pipe.step(x, target=None, loss_fn=lambda out, t: out.pow(2).mean())
+    predict_step_time(costed, pipe.plan, times, "1f1b", "except_last")
+    report = pipe.plan.validate(pipe.timeline)
+    assert [c.stage for c in report.checks] == [0, 1] and all(c.measured["forward"] > 0 for c in report.checks)
+
+
+def test_link_by_ping_pong():
+    threads = measure_link("threads", repeats=2)
+    assert math.isinf(threads.bandwidth) and threads.latency > 0 and crossing_price(threads, 1.0) == 0
+    gloo = measure_link("gloo", sizes=(1 << 10, 1 << 20), repeats=2)
+    assert 0 < gloo.bandwidth < math.inf and crossing_price(gloo, 1.0) == pytest.approx(2 / gloo.bandwidth)
