@@ -1,5 +1,5 @@
 """The torchrun runs of mesh_worker.py, each launched once a run and shared by test_materialize.py,
-test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s. A session fixture is per
+test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s. A fixture scoped to the run is per
 pytest-xdist worker, so those files mark their tests ``xdist_group("torchrun_mesh")`` and the Makefile runs
 ``--dist loadgroup``: one worker runs them, and each run launches once."""
 import os
