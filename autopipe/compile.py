@@ -25,13 +25,15 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
          balance: str | Sequence[float] = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
          memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
          checkpoint: str = "except_last", optimizer: str | None = "adam", cuda_graphs: bool = False,
-         verbose: bool = False) -> Plan:
+         crossing_price: float = 0.0, verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts
     each stage's memory for ``schedule``, ``checkpoint``, ``chunks`` and the ``optimizer``'s state. ``chunks``,
     ``schedule``, ``checkpoint`` may be ``"auto"`` (with ``memory_cap``): the fastest predicted configuration that fits,
-    the alternatives in ``plan.choice``. ``verbose=True``: each pass on stderr."""
+    the alternatives in ``plan.choice``. ``crossing_price``: what a byte crossing a cut costs a stage, in the
+    balance's units (passes/step_time.py: ``crossing_price(measure_link(), flops_per_second)``), so that the cut
+    lands where the predicted step is fastest. ``verbose=True``: each pass on stderr."""
     auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
     options = Options.make(stage_devices, streams=device_streams(devices), chunks=1 if "chunks" in auto else chunks,
@@ -40,7 +42,7 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
                            verbose=verbose, schedule="gpipe" if "schedule" in auto else schedule,
                            virtual_stages=1 if "schedule" in auto else virtual_stages,
                            checkpoint="except_last" if "checkpoint" in auto else checkpoint, optimizer=optimizer,
-                           cuda_graphs=cuda_graphs)
+                           cuda_graphs=cuda_graphs, crossing_price=crossing_price)
     args, kwargs = as_tuple(example_inputs), example_kwargs or {}
     if auto:
         return choose(model, args, kwargs, options, stage_devices, auto)
@@ -53,7 +55,7 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
             leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03, memory_cap: float | None = None,
             intra_op_threads: int | None = None, deferred_batch_norm: bool = False, track_memory: bool = False,
             data_parallel: int = 1, timeout: float = 300.0, route: str = "auto", cuda_graphs: bool = False,
-            mesh: Any = None, device: str | torch.device | None = None,
+            mesh: Any = None, device: str | torch.device | None = None, crossing_price: float = 0.0,
             verbose: bool = False) -> Pipeline | DistributedPipeline:
     """Compile ``model`` into a pipeline over ``devices`` with ``chunks`` micro-batches (options: README.md).
 
@@ -66,7 +68,7 @@ def compile(model: torch.nn.Module, devices: int | Sequence[str | torch.device] 
     D replicas); ``timeout`` seconds bound any wait on a peer (docs/torchrun.md)."""
     chosen = dict(chunks=chunks, balance=balance, checkpoint=checkpoint, leaf_modules=leaf_modules, route=route,
                   tolerance=tolerance, memory_cap=memory_cap, schedule=schedule, virtual_stages=virtual_stages,
-                  cuda_graphs=cuda_graphs)
+                  cuda_graphs=cuda_graphs, crossing_price=crossing_price)
     if cuda_graphs is True:  # every option checked first, then what graphs refuse
         Options((torch.device("cpu"),), **chosen)
         check_graphs(devices, deferred_batch_norm=deferred_batch_norm, track_memory=track_memory)

@@ -12,7 +12,7 @@ from autopipe.ir.checkpoint import CHECKPOINT_MODES
 from autopipe.ir.schedule import Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.streams import StageStream
 
-BALANCE_MODES = ("flops", "params", "time")
+BALANCE_MODES = ("flops", "train_flops", "params", "time")
 
 
 def positive_int(value: Any) -> bool:
@@ -29,6 +29,9 @@ class Options:
     leaf_modules: tuple[type | str, ...] = ()
     tolerance: float = 0.03
     memory_cap: float | None = None
+    # what a byte live across a cut costs each of its two stages, in the balance's units (passes/step_time.py's
+    # crossing_price of a measured link); 0: bytes only break ties within the tolerance
+    crossing_price: float = 0.0
     route: str = "auto"
     verbose: bool = False
     schedule: str = "gpipe"
@@ -46,6 +49,9 @@ class Options:
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got "
                              f"{self.balance!r}")
+        if not (isinstance(self.crossing_price, (int, float)) and 0 <= self.crossing_price < float("inf")):
+            raise ValueError(f"crossing_price must be a finite number >= 0 (the balance's units per byte crossing a "
+                             f"cut), got {self.crossing_price!r}")
         if not positive_int(self.virtual_stages):
             raise ValueError(f"virtual_stages must be a positive int, got {self.virtual_stages!r}")
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages

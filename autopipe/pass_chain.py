@@ -60,7 +60,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
         with progress.run("partition", model) as report:
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
-                             analysis=analysis, cut_of=cut_of)
+                             analysis=analysis, cut_of=cut_of, crossing_price=options.crossing_price)
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)

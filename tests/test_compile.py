@@ -1,4 +1,5 @@
 """End to end: autopipe.compile gives the plain model's outputs and gradients, on CPU workers."""
+import copy
 import itertools
 
 import pytest
@@ -305,3 +306,33 @@ def test_multihead_attention_dropout_replays_and_reproduces(need_weights):
             torch.testing.assert_close(grads[n], grads0[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     model.eval()
     assert autopipe.compile(model, devices=2, chunks=4, example_inputs=(x,)).plan.route == "fx"
+
+
+class WideMiddles(torch.nn.Module):
+    def __init__(self, d=8, wide=64):
+        super().__init__()
+        self.up = torch.nn.ModuleList(torch.nn.Linear(d, wide) for _ in range(3))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(wide, d) for _ in range(3))
+
+    def forward(self, x):
+        for up, down in zip(self.up, self.down):
+            x = x + down(torch.relu(up(x)))
+        return x
+
+
+def test_crossing_price_and_train_flops_reach_the_cut_and_train_as_the_plain_model():
+    """``compile(..., crossing_price=)`` moves the two-stage cut of three narrow-wide-narrow blocks off the wide value
+    (only the narrow residual crosses) at 16 FLOPs a byte, with ``balance="train_flops"``; the pipeline is the plain model in float64."""
+    torch.manual_seed(0)
+    model, x = WideMiddles().double(), torch.randn(8, 8, dtype=torch.float64)
+    unpriced = autopipe.plan(model, (x,), devices=2, chunks=2, balance="train_flops")
+    assert max(t.shape[-1] for t in unpriced.cut_tensors(0)) == 64
+    pipe = autopipe.compile(model, devices=2, chunks=2, balance="train_flops", crossing_price=16.0, example_inputs=(x,))
+    assert [list(t.shape) for t in pipe.plan.cut_tensors(0)] == [[8, 8]]  # the narrow residual alone
+    plain = copy.deepcopy(model)
+    pipe(x).sin().sum().backward()
+    plain(x).sin().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="crossing_price must be a finite number"):
+        autopipe.plan(model, (x,), devices=2, crossing_price=-1.0)
