@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.passes.cost import cost  # noqa: E402
-from autopipe.passes.node_times import measure_loss, measure_node_times  # noqa: E402
+from autopipe.passes.node_times import loss_gradients, measure_loss, measure_node_times  # noqa: E402
 from autopipe.passes.step_time import measure_link, predict_step_time  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
 from benchmarks import _common  # noqa: E402
@@ -107,7 +107,9 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
     batch, rows = traced.batch_size, traced.batch_size // CHUNKS
     micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
     threads = pipe.intra_op_threads
-    times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1)
+    start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
+    times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1,
+                               output_grads=start)
     loss = 0.0
     if loss_fn is not None:
         with torch.no_grad():

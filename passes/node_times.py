@@ -7,7 +7,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -79,11 +79,13 @@ class _Recorder(MutableArguments):
 
 
 def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
-                       peers: int = 0) -> NodeTimes:
+                       peers: int = 0, output_grads: Callable[[list], Sequence] | None = None) -> NodeTimes:
     """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
     only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's), while ``peers`` threads
-    run the graph's forward meanwhile (Note [workers sharing cores]). Buffers, RNG, the thread count and the
-    parameters' ``requires_grad`` and ``.grad`` are left as they were."""
+    run the graph's forward meanwhile (Note [workers sharing cores]). The backward starts from ``output_grads`` of
+    the graph's outputs (``loss_gradients``: the loss's, Note [a backward's speed depends on its values]; None:
+    ones). Buffers, RNG, the thread count and the parameters' ``requires_grad`` and ``.grad`` are left as they
+    were."""
     forward: dict[str, list[float]] = collections.defaultdict(list)
     backward: dict[str, list[float]] = collections.defaultdict(list)
     input_grad: dict[str, list[float]] = collections.defaultdict(list)
@@ -98,7 +100,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
             for t in load:
                 t.start()
             try:
-                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params)
+                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads)
             finally:
                 stop.set()
                 for t in load:
@@ -122,18 +124,10 @@ def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Ev
             gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
 
 
-def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
-    """A peer worker: the graph's forward, without grad, on copies of the inputs, until ``stop``."""
-    torch.set_num_threads(threads)  # per thread, as a worker sets its own
-    with torch.no_grad():
-        while not stop.is_set():
-            gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
-
-
 # Note [the interpreter's share]: a node timed under fx's Interpreter also pays for fetching its arguments from the
 # environment, which a stage's generated code does not; on small ops that is a share of the time. Each node's forward
 # is scaled by the graph's own forward (gm(*inputs), the generated code, as a stage runs) over their sum.
-def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> float:
+def _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads) -> float:
     """Fills the three tables; returns the median seconds of the graph's own forward, with grad."""
     whole = []
     with scalar_buffers_kept(gm, every_buffer=True), torch.random.fork_rng(devices=[]), torch.enable_grad():
@@ -142,11 +136,11 @@ def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> flo
             start = time.perf_counter()
             gm(*copies)
             whole.append(time.perf_counter() - start)
-            _time_backward(gm, inputs, forward, backward, params, inputs_only=False)
+            _time_backward(gm, inputs, forward, backward, params, False, output_grads)
             try:
                 for p in params:
                     p.requires_grad_(False)
-                _time_backward(gm, inputs, collections.defaultdict(list), input_grad, [], inputs_only=True)
+                _time_backward(gm, inputs, collections.defaultdict(list), input_grad, [], True, output_grads)
             finally:
                 for p in params:
                     p.requires_grad_(True)
@@ -154,19 +148,40 @@ def _time_all(gm, inputs, repeats, forward, backward, input_grad, params) -> flo
 
 
 def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward: dict, params: list,
-                   inputs_only: bool) -> None:
+                   inputs_only: bool, output_grads: Callable[[list], Sequence] | None) -> None:
     recorder = _Recorder(gm, forward, inputs_only)
-    outputs = [t for t in tree_leaves(recorder.run(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    flat = tree_leaves(recorder.run(*inputs))
+    outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = params + recorder.leaves
     seen = {n: 0.0 for n in forward}
     if outputs and wrt:
-        torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+        given = output_grads(flat) if output_grads is not None else [None] * len(outputs)
+        starts = [torch.ones_like(t) if output_grads is None else torch.zeros_like(t) if g is None else g
+                  for t, g in zip(outputs, given, strict=True)]
+        torch.autograd.grad(outputs, wrt, starts, allow_unused=True)
         end = time.perf_counter()
         stamps = recorder.stamps + [(end, "")]
         for (at, name), (after, _) in zip(stamps, stamps[1:]):
             seen[name] = seen.get(name, 0.0) + after - at
     for name, seconds in seen.items():
         backward[name].append(seconds)
+
+
+# Note [a backward's speed depends on its values]: a matmul over subnormal floats runs many times slower on a CPU. A
+# GPT whose tied head's logits are wide (an embedding's N(0, 1) init) gets a softmax gradient a third of it subnormal:
+# its head's backward measured several times the untied one's, in the plain model too. Ones as the outputs' gradient
+# never show it, so the backward is timed from the loss's own gradient where a loss is given.
+def loss_gradients(loss_fn: Callable, target: Any, rebuild: Callable[[list], Any]) -> Callable[[list], Sequence]:
+    """``output_grads`` for measure_node_times: given the graph's flat outputs, the gradient ``loss_fn(rebuild(flat),
+    target)`` gives each output that requires one (None where the loss does not read it), computed on detached
+    copies. ``rebuild``: the model's output from the flat outputs (TracedModel.rebuild_output)."""
+    def gradients(flat: list) -> Sequence:
+        values = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+        wrt = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+        with torch.enable_grad():
+            loss = loss_fn(rebuild(values), target)
+        return torch.autograd.grad(loss, wrt, allow_unused=True)
+    return gradients
 
 
 def times_from_flops(costed: CostedGraph, flops_per_second: float) -> NodeTimes:

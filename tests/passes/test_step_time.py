@@ -11,7 +11,7 @@ import torch
 import autopipe
 from autopipe.ir.step_time import Link
 from autopipe.passes.cost import cost
-from autopipe.passes.node_times import NodeTimes, measure_loss, measure_node_times
+from autopipe.passes.node_times import NodeTimes, loss_gradients, measure_loss, measure_node_times
 from autopipe.passes.partition import partition
 from autopipe.passes.step_time import crossing_price, measure_link, predict_step_time
 from autopipe.passes.trace import trace
@@ -129,3 +129,23 @@ def test_link_by_ping_pong():
     assert math.isinf(threads.bandwidth) and threads.latency > 0 and crossing_price(threads, 1.0) == 0
     gloo = measure_link("gloo", sizes=(1 << 10, 1 << 20), repeats=2)
     assert 0 < gloo.bandwidth < math.inf and crossing_price(gloo, 1.0) == pytest.approx(2 / gloo.bandwidth)
+
+
+def test_a_backward_is_timed_from_the_losss_own_gradient_where_a_loss_is_given():
+    """Note [a backward's speed depends on its values]: ``loss_gradients`` is the gradient the loss gives the graph's
+    outputs, exactly (float64), and measure_node_times starts its backwards there, once per backward timed."""
+    model, x, costed, _ = planned()
+    model, x = model.double(), x.double()
+    costed = cost(trace(model, (x,), {}, route="fx"))
+    target = torch.randn(2, *model(x[:2]).shape[1:], dtype=torch.float64)
+    loss_fn = lambda out, t: torch.nn.functional.mse_loss(out, t)
+    gradients = loss_gradients(loss_fn, target, costed.traced.rebuild_output)
+    out = model(x[:2])
+    (want,) = torch.autograd.grad(loss_fn(out, target), [out])
+    (got,) = gradients([model(x[:2])])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    calls = []
+    times = measure_node_times(costed.traced.graph_module, [x[:2]], repeats=2, threads=1,
+                               output_grads=lambda flat: calls.append(len(flat)) or gradients(flat))
+    assert calls == [1] * 4 and set(times.backward) == set(costed.costs)  # B-and-W and B alone, each repeat
+    assert all(p.grad is None for p in model.parameters())
