@@ -132,7 +132,7 @@ def test_link_by_ping_pong():
 
 
 def test_a_backward_is_timed_from_the_losss_own_gradient_where_a_loss_is_given():
-    """Note [a backward's speed depends on its values]: ``loss_gradients`` is the gradient the loss gives the graph's
+    """Note [a backward's speed depends on its values]. ``loss_gradients`` is the gradient the loss gives the graph's
     outputs, exactly (float64), and measure_node_times starts its backwards there, once per backward timed."""
     model, x, costed, _ = planned()
     model, x = model.double(), x.double()
