@@ -1,11 +1,14 @@
 """Gradients between tasks and into ``.grad``: sums in a fixed order (``sum_grads``), a task's parameter gradients
-added to the step's, in place where reference counts show nothing else holds them (``add_param_grads``), and a step's
-gradients handed to the autograd engine as ``loss.backward()`` would (``accumulate_grads``)."""
+added to the step's, in place where reference counts show nothing else holds them (``add_param_grads``; on a CPU as
+the engine makes each, ``summed_as_made``), and a step's gradients handed to the autograd engine as ``loss.backward()``
+would (``accumulate_grads``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Sequence
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -65,8 +68,8 @@ def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]
 # Note [gradient sums in place]: a micro-batch's parameter gradient is added in place into the running sum only
 # where nothing else holds it or its memory (CPU, contiguous, Python and storage reference counts: AccumulateGrad's
 # own rule, accumulate_grad.h); one the engine passed through (the loss's own) is summed into a new tensor. The
-# sums reach AccumulateGrad with no other reference, so .grad is the sum itself, not a copy. Adding each gradient
-# in a tensor hook as the engine makes it was faster in one process but meant hooks on the user's parameters.
+# sums reach AccumulateGrad with no other reference, so .grad is the sum itself, not a copy. On a CPU the sums are
+# made as the engine makes each gradient (Note [gradients summed as the engine makes them]).
 def add_param_grads(mine: Any, grads: tuple) -> None:
     """A task's parameter gradients added to the step's sums (``mine``: its StageStep), in task order (Note [gradient
     sums in place])."""
@@ -74,15 +77,57 @@ def add_param_grads(mine: Any, grads: tuple) -> None:
         mine.param_grads, mine.owned = list(grads), [False] * len(grads)
         return
     for k, g in enumerate(grads):
-        if g is None:
-            continue
-        if mine.param_grads[k] is None:
-            mine.param_grads[k] = g
-        elif mine.owned[k] or _held_only_by(mine.param_grads, k):
-            mine.param_grads[k].add_(g)
-            mine.owned[k] = True
-        else:
-            mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
+        if g is not None and not g._is_zerotensor():  # a zero tensor: summed as the engine made it
+            _add(mine, k, g)
+
+
+def _add(mine: Any, k: int, g: torch.Tensor) -> None:
+    if mine.param_grads[k] is None:
+        mine.param_grads[k] = g
+    elif mine.owned[k] or _held_only_by(mine.param_grads, k):
+        mine.param_grads[k].add_(g)
+        mine.owned[k] = True
+    else:
+        mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
+
+
+def _taken(mine: Any, k: int, g: torch.Tensor) -> torch.Tensor:
+    """A tensor hook's body: ``g`` added to the step's sum now (the first into a copy of the parameter's layout, which
+    the step owns), and the engine handed a zero tensor (no storage) in its place (Note [gradients summed as the
+    engine makes them])."""
+    if mine.param_grads[k] is None:
+        mine.param_grads[k] = torch.empty_like(mine.wrt_params[k], memory_format=torch.preserve_format).copy_(g)
+        mine.owned[k] = True
+    else:
+        _add(mine, k, g)
+    return torch._efficientzerotensor(g.shape, dtype=g.dtype, device=g.device)
+
+
+# Note [gradients summed as the engine makes them]: an engine call towards a stage's parameters returns all their
+# gradients at once, so on a CPU a micro-batch's weight gradients were all alive together and freed together at
+# the top of glibc's heap, which trimmed them back to the OS; the next micro-batch's matrix products then wrote
+# fresh pages (a page fault per 4 KiB). AccumulateGrad (torch.distributed.pipelining's path) adds each gradient as
+# it is made, and the next product reuses the memory just freed. A tensor hook on each CPU parameter the engine
+# differentiates does the same here for the length of the call: it adds the gradient to the step's sum (Note
+# [gradient sums in place]) and hands the engine a zero tensor, which ``add_param_grads`` skips. The hooks are
+# the parameters' own ``_backward_hooks``, set and restored around the call, so nothing outlives it and
+# AccumulateGrad (which a captured input never runs) and its hooks are untouched.
+@contextlib.contextmanager
+def summed_as_made(mine: Any) -> Iterator[None]:
+    """Around an engine call towards ``mine.wrt_params`` (``mine``: a StageStep): each CPU parameter's gradient added
+    to the step's sum as the engine makes it (Note [gradients summed as the engine makes them])."""
+    params = mine.wrt_params
+    if not mine.param_grads:
+        mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)
+    hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu"
+              and not p._backward_hooks and type(p) in (torch.nn.Parameter, torch.Tensor)]
+    for k, p, _ in hooked:
+        p._backward_hooks = OrderedDict({0: functools.partial(_taken, mine, k)})
+    try:
+        yield
+    finally:
+        for _, p, before in hooked:
+            p._backward_hooks = before
 
 
 def _held_only_by(grads: list, k: int) -> bool:

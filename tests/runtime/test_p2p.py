@@ -102,6 +102,45 @@ def test_skip_and_early_output_between_real_ranks_equal_the_in_process_pipeline(
         pipe.close()
 
 
+REUSE_CONFIGS = "1:gpipe,1:1f1b,2:interleaved,1:zb-h1,1:zbv,1:dualpipev"
+
+
+def test_receive_buffers_reused_over_steps_keep_every_schedules_float64_gradients(tmp_path):
+    """Each schedule with more than one micro-batch in flight, 3 steps of new batches over 2 CPU ranks: a receive
+    buffer is written again only when nothing holds it (Note [receive buffers reused]), so each step's loss and every
+    gradient are the plain model's in float64, while the buffers of later steps are the first step's (a 1F1B rank
+    reuses them within a step too)."""
+    run = launch("reuse", 2, tmp_path, CONFIGS=REUSE_CONFIGS)
+    assert run.codes == [0, 0], run.log()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.manual_seed(0)
+    plain = SkipGPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0).double().train()
+    plain.skip_to = 2
+    g, losses, grads = torch.Generator().manual_seed(1), [], []
+    for _ in range(3):
+        ids, target = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+        loss = skip_loss(plain(ids), target)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in plain.named_parameters(remove_duplicate=False)})
+        plain.zero_grad()
+    for entry in REUSE_CONFIGS.split(","):
+        results = [r[entry] for r in ranks]
+        got = next(r["losses"] for r in results if r["losses"][0] is not None)
+        assert got == pytest.approx(losses, rel=1e-12), entry
+        for step, expected in enumerate(grads):
+            seen = set()
+            for r in results:
+                for name, grad in r["grads"][step].items():
+                    torch.testing.assert_close(grad, expected[name], rtol=1e-10, atol=1e-12,
+                                               msg=f"{entry} step {step}: {name}")
+                    seen.add(name)
+            assert seen >= {n for n, _ in plain.named_parameters()}, entry
+        for r in results:
+            assert r["pooled"][0] == r["pooled"][-1] <= r["posted"][0], (entry, r)  # no new buffer after step 1
+    assert any(r["1:1f1b"]["pooled"][0] < r["1:1f1b"]["posted"][0] for r in ranks), "1F1B reuses within a step"
+
+
 # -- failures --------------------------------------------------------------------------------------
 
 SCENARIOS = {
