@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.runtime.wire import WireSpec
+from autopipe.ir.plan import TensorInfo
+from autopipe.runtime.wire import Edge, ReceiveBuffers, WireSpec
 from dist_worker import SkipGPT, skip_loss
 from test_distributed import gpt_batch, launch
 
@@ -100,6 +101,33 @@ def test_skip_and_early_output_between_real_ranks_equal_the_in_process_pipeline(
                 received = [tag for send, peer, tag in results[b]["posts"] if not send and peer == a]
                 assert sent == received, (entry, a, b)
         pipe.close()
+
+
+def test_a_receive_buffer_is_written_again_only_once_nothing_holds_it():
+    """The pool hands a buffer out again once its holders are gone: the stage input made from it, which a saved
+    tensor of the stage's graph keeps until its backward; a view; a user's reference over a step's end."""
+    edge = Edge("h", 0, (1,), TensorInfo("h", (8, 4), torch.float64, 256, 0, (1,)))
+    cpu = torch.device("cpu")
+    pool = ReceiveBuffers()
+    first = pool.take(edge, 2, cpu, False)
+    assert first.shape == (2, 4) and first.dtype == torch.float64
+    w = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    leaf = first.detach().requires_grad_()  # as the runtime makes a stage input
+    loss = (leaf * w).sum()  # saves the leaf for w's gradient
+    del leaf, first
+    second = pool.take(edge, 2, cpu, False)
+    assert pool.take(edge, 3, cpu, False).shape == (3, 4)  # another micro-batch size: another buffer
+    loss.backward()  # the graph lets go of the first buffer's memory
+    del loss
+    view = second[1:]
+    third = pool.take(edge, 2, cpu, False)
+    assert third is not second  # the first buffer, now free
+    del third
+    assert pool.take(edge, 2, cpu, False) is not second
+    del view
+    kept = pool.take(edge, 2, cpu, False)
+    pool.forget_held()  # a step starts while the caller still holds it: never written again
+    assert all(pool.take(edge, 2, cpu, False) is not kept for _ in range(3))
 
 
 REUSE_CONFIGS = "1:gpipe,1:1f1b,2:interleaved,1:zb-h1,1:zbv,1:dualpipev"
