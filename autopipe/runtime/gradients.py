@@ -117,10 +117,10 @@ def summed_as_made(mine: Any) -> Iterator[None]:
     """Around an engine call towards ``mine.wrt_params`` (``mine``: a StageStep): each CPU parameter's gradient added
     to the step's sum as the engine makes it (Note [gradients summed as the engine makes them])."""
     params = mine.wrt_params
-    if not mine.param_grads:
-        mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)
     hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu"
               and not p._backward_hooks and type(p) in (torch.nn.Parameter, torch.Tensor)]
+    if hooked and not mine.param_grads:  # only then: an empty list still tells a CUDA graph its first backward
+        mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)
     for k, p, _ in hooked:
         p._backward_hooks = OrderedDict({0: functools.partial(_taken, mine, k)})
     try:

@@ -78,7 +78,8 @@ class P2PTransport(Transport):
         self._first_reader = {n: min(d for d in e.dsts if self._local(d)) for n, e in self._in.items()}
         # Note [a step lets go of each value once read]: how often a micro-batch's value is read here (each local
         # reader, and the loss on the last stage); after the last read the step holds it no longer, so a received
-        # buffer returns to the pool, and nothing of a micro-batch outlives its backward in the heap.
+        # buffer returns to the pool once the stage is done with it, and the step keeps no tensor past its use (a
+        # gradient once read, a send once complete) to split the heap between micro-batches.
         self._reads: dict[str, int] = {}
         for t in stages:
             for n in stages[t].input_names:
