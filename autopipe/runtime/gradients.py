@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
@@ -91,16 +92,25 @@ def _add(mine: Any, k: int, g: torch.Tensor) -> None:
         mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
 
 
-def _taken(mine: Any, k: int, g: torch.Tensor) -> torch.Tensor:
-    """A tensor hook's body: ``g`` added to the step's sum now (the first into a copy of the parameter's layout, which
-    the step owns), and the engine handed a zero tensor (no storage) in its place (Note [gradients summed as the
-    engine makes them])."""
-    if mine.param_grads[k] is None:
-        mine.param_grads[k] = torch.empty_like(mine.wrt_params[k], memory_format=torch.preserve_format).copy_(g)
-        mine.owned[k] = True
-    else:
+def _taken(mine: Any, k: int, thread: int, copy_first: bool, g: torch.Tensor) -> torch.Tensor | None:
+    """A tensor hook's body: ``g`` added to the step's sum now, and the engine handed a zero tensor (no storage) in
+    its place; left to the engine (None) in another thread's call. The step's first gradient, where more will be
+    added, is copied into the parameter's layout (Note [gradients summed as the engine makes them])."""
+    if threading.get_ident() != thread:
+        return None
+    p = mine.wrt_params[k]
+    if mine.param_grads[k] is not None or not (copy_first or g.stride() != p.stride()):
         _add(mine, k, g)
-    return torch._efficientzerotensor(g.shape, dtype=g.dtype, device=g.device)
+    else:
+        mine.param_grads[k], mine.owned[k] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g), True
+    key = (g.shape, g.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:  # made once per shape: a step adds no op of its own per parameter
+        zero = _ZEROS[key] = torch._efficientzerotensor(g.shape, dtype=g.dtype)
+    return zero
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine (CPU), by shape and dtype
 
 
 # Note [gradients summed as the engine makes them]: an engine call towards a stage's parameters returns all their
@@ -109,20 +119,27 @@ def _taken(mine: Any, k: int, g: torch.Tensor) -> torch.Tensor:
 # fresh pages (a page fault per 4 KiB). AccumulateGrad (torch.distributed.pipelining's path) adds each gradient as
 # it is made, and the next product reuses the memory just freed. A tensor hook on each CPU parameter the engine
 # differentiates does the same here for the length of the call: it adds the gradient to the step's sum (Note
-# [gradient sums in place]) and hands the engine a zero tensor, which ``add_param_grads`` skips. The hooks are
+# [gradient sums in place]) and hands the engine a zero tensor, which ``add_param_grads`` skips. The first
+# micro-batch's gradient is copied to make the sum (as AccumulateGrad copies one it may not keep): kept, it would
+# pin the spot among that backward's temporaries where the next micro-batch's products would go, and they would
+# land at the heap's top again, to be trimmed after each backward. The hooks are
 # the parameters' own ``_backward_hooks``, set and restored around the call, so nothing outlives it and
-# AccumulateGrad (which a captured input never runs) and its hooks are untouched.
+# AccumulateGrad (which a captured input never runs) and its hooks are untouched. CPU workers are threads, and a
+# weight tied between two stages of one device type is one tensor in both: a hook takes only gradients of the
+# engine call of the thread that set it (the engine runs a CPU graph on the calling thread), and leaves any other
+# to that call, which sums it as before (add_param_grads: the same additions in the same order).
 @contextlib.contextmanager
-def summed_as_made(mine: Any) -> Iterator[None]:
+def summed_as_made(mine: Any, more: bool) -> Iterator[None]:
     """Around an engine call towards ``mine.wrt_params`` (``mine``: a StageStep): each CPU parameter's gradient added
-    to the step's sum as the engine makes it (Note [gradients summed as the engine makes them])."""
-    params = mine.wrt_params
+    to the step's sum as the engine makes it; ``more``: other micro-batches' will be added to it (Note [gradients
+    summed as the engine makes them])."""
+    params, thread = mine.wrt_params, threading.get_ident()
     hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu"
               and not p._backward_hooks and type(p) in (torch.nn.Parameter, torch.Tensor)]
     if hooked and not mine.param_grads:  # only then: an empty list still tells a CUDA graph its first backward
         mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)
     for k, p, _ in hooked:
-        p._backward_hooks = OrderedDict({0: functools.partial(_taken, mine, k)})
+        p._backward_hooks = OrderedDict({0: functools.partial(_taken, mine, k, thread, more)})
     try:
         yield
     finally:
