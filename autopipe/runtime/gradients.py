@@ -99,10 +99,10 @@ def _taken(mine: Any, k: int, thread: int, copy_first: bool, g: torch.Tensor) ->
     if threading.get_ident() != thread:
         return None
     p = mine.wrt_params[k]
-    if mine.param_grads[k] is not None or not (copy_first or g.stride() != p.stride()):
-        _add(mine, k, g)
-    else:
+    if mine.param_grads[k] is None and (copy_first or g.stride() != p.stride()):
         mine.param_grads[k], mine.owned[k] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g), True
+    else:
+        _add(mine, k, g)
     key = (g.shape, g.dtype)
     zero = _ZEROS.get(key)
     if zero is None:  # made once per shape: a step adds no op of its own per parameter
@@ -122,9 +122,9 @@ _ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine
 # [gradient sums in place]) and hands the engine a zero tensor, which ``add_param_grads`` skips. The first
 # micro-batch's gradient is copied to make the sum (as AccumulateGrad copies one it may not keep): kept, it would
 # pin the spot among that backward's temporaries where the next micro-batch's products would go, and they would
-# land at the heap's top again, to be trimmed after each backward. The hooks are
-# the parameters' own ``_backward_hooks``, set and restored around the call, so nothing outlives it and
-# AccumulateGrad (which a captured input never runs) and its hooks are untouched. CPU workers are threads, and a
+# land at the heap's top again, to be trimmed after each backward. The hooks are the parameters' own
+# ``_backward_hooks``, set and restored around the call, so nothing outlives it, and AccumulateGrad (which a
+# captured input never runs) and its hooks are untouched. CPU workers are threads, and a
 # weight tied between two stages of one device type is one tensor in both: a hook takes only gradients of the
 # engine call of the thread that set it (the engine runs a CPU graph on the calling thread), and leaves any other
 # to that call, which sums it as before (add_param_grads: the same additions in the same order).
