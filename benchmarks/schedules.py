@@ -22,13 +22,17 @@ order rotated each round. Memory: the peak of activations autograd saves for bac
 (bytes, each storage once, parameters excluded) per device, counted with one
 ``saved_tensors_hooks`` for every row in an extra untimed step: the memory a schedule
 changes. "held" is the most micro-batches the first stage held at once (until its W frees
-them where the backward is split), from autopipe's timeline. The gradient column is
+them where the backward is split), from autopipe's timeline. Minor page faults a step, per
+rank (2 procs): getrusage's count across each timed step, its median; pages glibc's malloc had
+handed back to the OS and the step wrote again, which cost the 2-process rows time at the
+default allocator; a count the machine's load does not move. The gradient column is
 max |g - g_plain| / max |g_plain| over the parameters each device holds, against the plain model.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -234,17 +238,19 @@ def rank_main(rank: int, port: int, args, queue) -> None:
             steps[("pipelining", name)], names[("pipelining", name)] = pipelining_step(model, rank, name, v, x, y,
                                                                                        args.chunks)
         keys = list(steps)
-        times = {k: [] for k in keys}
+        times, faults = {k: [] for k in keys}, {k: [] for k in keys}
         for rep in range(1 + args.steps):
             for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:
                 for m in models.values():
                     m.zero_grad(set_to_none=True)
                 dist.barrier()
-                start = time.perf_counter()
+                start, faulted = time.perf_counter(), minor_faults()
                 steps[k]()
+                faulted = minor_faults() - faulted
                 dist.barrier()
                 if rep:
                     times[k].append(time.perf_counter() - start)
+                    faults[k].append(faulted)
         reference = plain_grads(args, x, y)
         results = {"plain": statistics.median(times["plain"])}
         for k in keys[1:]:
@@ -254,6 +260,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
                 steps[k]()
             dist.barrier()
             results[k] = dict(seconds=statistics.median(times[k]), times=times[k], peak=peak.peak[0],
+                              faults=statistics.median(faults[k]),
                               error=grad_error(models[k], reference, names[k]),
                               held=pipes[k[1]].timeline.held(0) if k[0] == "autopipe" and rank == 0 else None)
         queue.put((rank, results))
@@ -264,6 +271,12 @@ def rank_main(rank: int, port: int, args, queue) -> None:
     except BaseException:
         queue.put((rank, traceback.format_exc()))
         raise
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: a page the allocator had handed back to the OS, written again. A count
+    the machine's load does not change, unlike the step's time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def two_processes(args) -> list[dict]:
@@ -310,7 +323,7 @@ def main() -> None:
         ours, theirs = ranks[0][("autopipe", name)], ranks[0][("pipelining", name)]
         mine = local[name]
         rows.append([label, "autopipe, in-process", C.fmt_s(mine["seconds"]), "", C.fmt_x(local["plain"] / mine["seconds"]),
-                     " / ".join(C.mib(b) for b in mine["peak"]), "", str(mine["held"]), f"{mine['error']:.1e}"])
+                     " / ".join(C.mib(b) for b in mine["peak"]), "", str(mine["held"]), "", f"{mine['error']:.1e}"])
         for who, res in (("autopipe", ours), ("pipelining", theirs)):
             peaks = [ranks[r][(who, name)]["peak"] for r in range(K)]
             other = [ranks[r][("pipelining", name)]["peak"] for r in range(K)]
@@ -320,7 +333,8 @@ def main() -> None:
                          if who == "autopipe" else "1.00x",
                          C.fmt_x(ranks[0]["plain"] / res["seconds"]), " / ".join(C.mib(b) for b in peaks),
                          f"{max(a / b for a, b in zip(peaks, other)):.2f}x" if who == "autopipe" else "1.00x",
-                         str(res["held"]) if res["held"] is not None else "", f"{error:.1e}"])
+                         str(res["held"]) if res["held"] is not None else "",
+                         " / ".join(f"{ranks[r][(who, name)]['faults'] / 1000:.1f}k" for r in range(K)), f"{error:.1e}"])
     head = C.header("schedules", [
         f"model: transformer_like(d={args.d}, hidden={args.hidden}, blocks={args.blocks}), batch {args.batch}, "
         f"MSE loss, float32, checkpoint='never'",
@@ -329,10 +343,12 @@ def main() -> None:
         f"step time: median of {args.steps} steps after 1 warm-up, variants interleaved within each part",
         "speed vs pipelining: median over rounds of its step time / ours in the same round (>1: faster); memory vs pipelining: the largest per-device ratio of "
         "saved activations (<=1: no more)",
+        "minor page faults: per rank, the median over the timed steps of getrusage's ru_minflt across one step (pages "
+        "the allocator had returned to the OS, written again; the machine's load does not change them)",
     ], quick=args.quick)
     table = C.table(rows, ["schedule", "runtime", "s/step", "speed vs pipelining", "speedup vs plain",
                            "saved activations per device (peak)", "memory vs pipelining", "held (stage 0)",
-                           "grad error vs plain"])
+                           "minor page faults a step (rank 0 / 1)", "grad error vs plain"])
     C.write("schedules", head + "\n" + table, quick=args.quick, results_dir=args.results_dir)
 
 

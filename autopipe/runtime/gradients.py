@@ -1,11 +1,15 @@
 """Gradients between tasks and into ``.grad``: sums in a fixed order (``sum_grads``), a task's parameter gradients
-added to the step's, in place where reference counts show nothing else holds them (``add_param_grads``), and a step's
-gradients handed to the autograd engine as ``loss.backward()`` would (``accumulate_grads``)."""
+added to the step's, in place where reference counts show nothing else holds them (``add_param_grads``; on a CPU as
+the engine makes each, ``summed_as_made``), and a step's gradients handed to the autograd engine as ``loss.backward()``
+would (``accumulate_grads``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Sequence
+import threading
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -65,8 +69,8 @@ def accumulate_grads(pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]]
 # Note [gradient sums in place]: a micro-batch's parameter gradient is added in place into the running sum only
 # where nothing else holds it or its memory (CPU, contiguous, Python and storage reference counts: AccumulateGrad's
 # own rule, accumulate_grad.h); one the engine passed through (the loss's own) is summed into a new tensor. The
-# sums reach AccumulateGrad with no other reference, so .grad is the sum itself, not a copy. Adding each gradient
-# in a tensor hook as the engine makes it was faster in one process but meant hooks on the user's parameters.
+# sums reach AccumulateGrad with no other reference, so .grad is the sum itself, not a copy. On a CPU the sums are
+# made as the engine makes each gradient (Note [gradients summed as the engine makes them]).
 def add_param_grads(mine: Any, grads: tuple) -> None:
     """A task's parameter gradients added to the step's sums (``mine``: its StageStep), in task order (Note [gradient
     sums in place])."""
@@ -74,15 +78,73 @@ def add_param_grads(mine: Any, grads: tuple) -> None:
         mine.param_grads, mine.owned = list(grads), [False] * len(grads)
         return
     for k, g in enumerate(grads):
-        if g is None:
-            continue
-        if mine.param_grads[k] is None:
-            mine.param_grads[k] = g
-        elif mine.owned[k] or _held_only_by(mine.param_grads, k):
-            mine.param_grads[k].add_(g)
-            mine.owned[k] = True
-        else:
-            mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
+        if g is not None and not g._is_zerotensor():  # a zero tensor: summed as the engine made it
+            _add(mine, k, g)
+
+
+def _add(mine: Any, k: int, g: torch.Tensor) -> None:
+    if mine.param_grads[k] is None:
+        mine.param_grads[k] = g
+    elif mine.owned[k] or _held_only_by(mine.param_grads, k):
+        mine.param_grads[k].add_(g)
+        mine.owned[k] = True
+    else:
+        mine.param_grads[k], mine.owned[k] = mine.param_grads[k] + g, True
+
+
+def _taken(mine: Any, k: int, thread: int, copy_first: bool, g: torch.Tensor) -> torch.Tensor | None:
+    """A tensor hook's body: ``g`` added to the step's sum now, and the engine handed a zero tensor (no storage) in
+    its place; left to the engine (None) in another thread's call. The step's first gradient, where more will be
+    added, is copied into the parameter's layout (Note [gradients summed as the engine makes them])."""
+    if threading.get_ident() != thread:
+        return None
+    p = mine.wrt_params[k]
+    if mine.param_grads[k] is None and (copy_first or g.stride() != p.stride()):
+        mine.param_grads[k], mine.owned[k] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g), True
+    else:
+        _add(mine, k, g)
+    key = (g.shape, g.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:  # made once per shape: a step adds no op of its own per parameter
+        zero = _ZEROS[key] = torch._efficientzerotensor(g.shape, dtype=g.dtype)
+    return zero
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine (CPU), by shape and dtype
+
+
+# Note [gradients summed as the engine makes them]: an engine call towards a stage's parameters returns all their
+# gradients at once, so on a CPU a micro-batch's weight gradients were all alive together and freed together at
+# the top of glibc's heap, which trimmed them back to the OS; the next micro-batch's matrix products then wrote
+# fresh pages (a page fault per 4 KiB). AccumulateGrad (torch.distributed.pipelining's path) adds each gradient as
+# it is made, and the next product reuses the memory just freed. A tensor hook on each CPU parameter the engine
+# differentiates does the same here for the length of the call: it adds the gradient to the step's sum (Note
+# [gradient sums in place]) and hands the engine a zero tensor, which ``add_param_grads`` skips. The first
+# micro-batch's gradient is copied to make the sum (as AccumulateGrad copies one it may not keep): kept, it would
+# pin the spot among that backward's temporaries where the next micro-batch's products would go, and they would
+# land at the heap's top again, to be trimmed after each backward. The hooks are the parameters' own
+# ``_backward_hooks``, set and restored around the call, so nothing outlives it, and AccumulateGrad (which a
+# captured input never runs) and its hooks are untouched. CPU workers are threads, and a
+# weight tied between two stages of one device type is one tensor in both: a hook takes only gradients of the
+# engine call of the thread that set it (the engine runs a CPU graph on the calling thread), and leaves any other
+# to that call, which sums it as before (add_param_grads: the same additions in the same order).
+@contextlib.contextmanager
+def summed_as_made(mine: Any, more: bool) -> Iterator[None]:
+    """Around an engine call towards ``mine.wrt_params`` (``mine``: a StageStep): each CPU parameter's gradient added
+    to the step's sum as the engine makes it; ``more``: other micro-batches' will be added to it (Note [gradients
+    summed as the engine makes them])."""
+    params, thread = mine.wrt_params, threading.get_ident()
+    hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu"
+              and not p._backward_hooks and type(p) in (torch.nn.Parameter, torch.Tensor)]
+    if hooked and not mine.param_grads:  # only then: an empty list still tells a CUDA graph its first backward
+        mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)
+    for k, p, _ in hooked:
+        p._backward_hooks = OrderedDict({0: functools.partial(_taken, mine, k, thread, more)})
+    try:
+        yield
+    finally:
+        for _, p, before in hooked:
+            p._backward_hooks = before
 
 
 def _held_only_by(grads: list, k: int) -> bool:

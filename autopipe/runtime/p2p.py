@@ -14,7 +14,7 @@ from autopipe.ir.schedule import Schedule, Task
 
 from .executor import Transport, run_tasks
 from .gradients import sum_grads
-from .wire import Edge, WireSpec
+from .wire import Edge, ReceiveBuffers, WireSpec
 
 _POISON_TAG = 0x7FFF_FFF0  # a tag no real message uses
 # Note [receives two tasks ahead]: a task's receives are posted two tasks before it runs: data lands while the
@@ -57,6 +57,7 @@ class P2PTransport(Transport):
         # report can be lost.
         self._store.delete_key(f"wake/{self.rank}")
         self._specs: dict[str, int] = {}  # each spec this rank checked against the others, in order
+        self._buffers = ReceiveBuffers()  # kept from step to step (Note [receive buffers reused])
         self.use(spec, stages)
         self._steps, self._poisoned = 0, False
         self._plans: dict[tuple[str, Schedule], tuple] = {}  # _messages per spec (its digest) and schedule
@@ -75,6 +76,16 @@ class P2PTransport(Transport):
         # remote values this rank reads, each received once, by its first local reader
         self._in = {e.name: e for t in sorted(stages) for e in spec.into(t) if not self._local(e.src)}
         self._first_reader = {n: min(d for d in e.dsts if self._local(d)) for n, e in self._in.items()}
+        # Note [a step lets go of each value once read]: how often a micro-batch's value is read here (each local
+        # reader, and the loss on the last stage); after the last read the step holds it no longer, so a received
+        # buffer returns to the pool once the stage is done with it, and the step keeps no tensor past its use (a
+        # gradient once read, a send once complete) to split the heap between micro-batches.
+        self._reads: dict[str, int] = {}
+        for t in stages:
+            for n in stages[t].input_names:
+                self._reads[n] = self._reads.get(n, 0) + 1
+        for n in spec.graph_outputs if self._local(spec.n_stages - 1) else ():
+            self._reads[n] = self._reads.get(n, 0) + 1
         self._digest = mine = spec.digest()
         if mine in self._specs:
             return
@@ -98,10 +109,13 @@ class P2PTransport(Transport):
             self._failed = self._remote
             raise PipelineError(f"pipeline step failed: {self._remote}")
         self.sizes = list(sizes)
-        self.values = [dict(row) for row in local]  # graph inputs, outputs made here, buffers received
+        # graph inputs, outputs made here, buffers received: each until its last read here
+        self.values = [{n: v for n, v in row.items() if n in self._reads} for row in local]
+        self.unread = [dict(self._reads) for _ in sizes]
         self.grads: list[dict[tuple[str, int], Any]] = [{} for _ in sizes]  # by (value, reader stage)
         self.final_grads: list[dict[str, Any]] = [{} for _ in sizes]  # the loss's, by model output
         self.sends: list = []
+        self._buffers.forget_held()  # after the last step's values are let go of
         plan_key = (self._digest, schedule)
         if plan_key not in self._plans:
             self._plans[plan_key] = self._messages(schedule)
@@ -164,7 +178,7 @@ class P2PTransport(Transport):
 
     def _post_receive(self, peer: int, message: tuple) -> None:
         edge, i = self._edges[message[1]], message[2]
-        buffer = edge.empty(self.sizes[i], self.wire_device, self.pinned)  # where the backend writes it
+        buffer = self._buffers.take(edge, self.sizes[i], self.wire_device, self.pinned)  # where the backend writes it
         reader = message[3] if message[0] == "B" else None
         if reader is None:
             self.values[i][edge.name] = buffer
@@ -174,7 +188,9 @@ class P2PTransport(Transport):
         self.posted[message] = self._post(False, buffer, peer, self._tag(edge, i, reader), what)
 
     def _value(self, i: int, name: str) -> Any:
-        value = self.values[i][name]
+        """A value's read: the last one here takes it from the step (Note [a step lets go of each value once read])."""
+        self.unread[i][name] -= 1
+        value = self.values[i][name] if self.unread[i][name] else self.values[i].pop(name)
         return self._in[name].from_wire(value) if name in self._in else value
 
     def inputs(self, stage: int, i: int):
@@ -184,7 +200,8 @@ class P2PTransport(Transport):
 
     def send_outputs(self, stage: int, i: int, outputs: list) -> None:
         produced = dict(zip(self.stages[stage].output_names, outputs))
-        self.values[i].update(produced)
+        self.values[i].update((n, v) for n, v in produced.items() if n in self._reads)  # what is read here
+        self._let_go_of_sent()
         for e in self.spec.out_of(stage):
             payload = e.to_wire(produced[e.name])
             for r in sorted({self.rank_of(d) for d in e.dsts} - {self.rank}):
@@ -203,10 +220,10 @@ class P2PTransport(Transport):
         self._receive("B", stage, i)
         last = stage == self.spec.n_stages - 1
         grads = []
-        for name in self.stages[stage].output_names:
+        for name in self.stages[stage].output_names:  # each taken: read once
             readers = self._edges[name].dsts if name in self._edges else ()
-            grads.append(sum_grads([self.final_grads[i].get(name) if last else None] + [self.grads[i].get((name, d))
-                                                                                        for d in readers]))
+            grads.append(sum_grads([self.final_grads[i].pop(name, None) if last else None]
+                                   + [self.grads[i].pop((name, d), None) for d in readers]))
         return grads
 
     def send_input_grads(self, stage: int, i: int, grads: list) -> None:
@@ -216,13 +233,23 @@ class P2PTransport(Transport):
             if not e.grad:
                 continue
             # on the last stage, a model output made earlier also has the loss's gradient
-            g = sum_grads([mine.get(e.name), self.final_grads[i].get(e.name) if last else None])
+            g = sum_grads([mine.get(e.name), self.final_grads[i].pop(e.name, None) if last else None])
             if self._local(e.src):
                 self.grads[i][(e.name, stage)] = g
                 continue
             g = e.empty(self.sizes[i], self.wire_device, self.pinned).zero_() if g is None else g.contiguous()
             what = f"grad of {e.name!r} mb {i}"
+            self._let_go_of_sent()
             self.sends.append(self._post(True, g, self.rank_of(e.src), self._tag(e, i, stage), what))
+
+    def _let_go_of_sent(self) -> None:
+        """Forget the sends that completed (a failed one raises here), so the step holds no tensor it sent (Note [a
+        step lets go of each value once read])."""
+        pending, done = [], []
+        for sent in self.sends:
+            (done if sent[0].is_completed() else pending).append(sent)
+        self.sends = pending
+        self._wait(done)
 
     def _finish_step(self) -> None:
         """Wait for this rank's sends, then for every rank: a step returns only if it completed everywhere."""

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .batchnorm import DeferredBatchNorm
-from .gradients import add_param_grads, differentiable
+from .gradients import add_param_grads, differentiable, summed_as_made
 from .memory import SavedBytes, tensor_bytes
 from .split_backward import WeightWork, backward_input, engine_grad
 from .step_state import StepState, task_seed
@@ -256,7 +256,7 @@ class StageRunner:
             return input_grads
         begun = step.timeline.begin(self.stage.device)
         inputs = [saved.inputs[k] for k in wrt_inputs]
-        with step.ambient.entered(self.stage.device):
+        with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1):
             if step.split_backward and wrt_inputs and mine.wrt_params and (self.index, i) not in step.full_backwards:
                 got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
             else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it), and a full
@@ -277,7 +277,7 @@ class StageRunner:
         work = mine.weights.pop(i)
         if isinstance(work, WeightWork):
             begun = step.timeline.begin(self.stage.device)
-            with step.ambient.entered(self.stage.device):
+            with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1):
                 work = work.run()
             step.timeline.end(begun, self.index, i, "weight", self.stage.device)
         if work is not None:

@@ -4,6 +4,7 @@ surface as a size error mid-step."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,13 @@ class Edge:
         return self.info.kind == "tensor" and (self.info.dtype.is_floating_point or self.info.dtype.is_complex)
 
     def empty(self, rows: int, device: torch.device | None = None, pin_memory: bool = False) -> torch.Tensor:
-        shape, k = self.info.shape, self.info.rows_per_sample  # a micro-batch of ``rows`` samples
-        return torch.empty((rows * k, *shape[1:]) if k and shape else shape, dtype=self.info.dtype, device=device,
-                           pin_memory=pin_memory)
+        shape, dtype = self.key(rows)  # a micro-batch of ``rows`` samples
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+    def key(self, rows: int) -> tuple:
+        """What a buffer for a micro-batch of ``rows`` samples must match: its shape and dtype."""
+        shape, k = self.info.shape, self.info.rows_per_sample
+        return ((rows * k, *shape[1:]) if k and shape else tuple(shape)), self.info.dtype
 
     def to_wire(self, value: Any) -> torch.Tensor:
         if self.info.kind == "tensor":
@@ -73,3 +78,61 @@ class WireSpec:
     def digest(self) -> str:
         described = [(e.name, e.src, e.dsts, e.info.shape, str(e.info.dtype), e.info.kind) for e in self.edges]
         return hashlib.sha1(repr((described, self.n_stages, self.graph_outputs)).encode()).hexdigest()[:16]
+
+
+# Note [receive buffers reused]: a CPU rank receives each message into a buffer kept from step to step, as
+# torch.distributed.pipelining's stages keep theirs: glibc's malloc hands memory freed at the top of its heap back
+# to the OS, so fresh buffers a step, held across the step, broke the heap into pieces the next micro-batch's
+# gradients could not reuse, and the matrix products that wrote them took a page fault per fresh 4 KiB. A buffer
+# is written again only when nothing but this pool holds it: no Python reference, no other tensor on its memory
+# (the stage input made from it, which the stage's saved tensors keep until its backward; a view; a gradient sum
+# that passed it through), no pending send or receive (a Work holds its tensor). So a buffer a stage's autograd
+# graph still references is never overwritten, under any schedule: the pool just grows to the most buffers held
+# at once, the micro-batches in flight. GPU and pinned buffers are not pooled: a queued copy may still read one
+# no reference holds, and CUDA's caching allocators already reuse memory.
+class ReceiveBuffers:
+    """Buffers for received messages, by shape and dtype, each reused once nothing else holds it (Note [receive
+    buffers reused])."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, edge: Edge, rows: int, device: torch.device, pinned: bool) -> torch.Tensor:
+        """A buffer for ``edge``'s message of a micro-batch of ``rows`` samples, which the caller may write."""
+        if device.type != "cpu" or pinned:
+            return edge.empty(rows, device, pinned)
+        kept = self._kept.setdefault(edge.key(rows), [])
+        for buffer in kept:
+            if _references(buffer) == _POOLED:
+                return buffer
+        kept.append(edge.empty(rows, device))
+        return kept[-1]
+
+    def forget_held(self) -> None:
+        """Drop the buffers something else still holds (at a step's start: a caller kept a received value), so the
+        pool holds only buffers it may write, and what a user keeps is never written again."""
+        for key, kept in self._kept.items():
+            free = []
+            for buffer in kept:
+                if _references(buffer) == _POOLED:
+                    free.append(buffer)
+            self._kept[key] = free
+
+
+def _references(buffer: torch.Tensor) -> tuple[int, int, int]:
+    """Python references to ``buffer``, references to its TensorImpl, and tensors on its memory (plus the storage
+    object made here)."""
+    return (sys.getrefcount(buffer), buffer._use_count(),
+            torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
+
+
+def _pooled() -> tuple[int, int, int]:
+    """What ``_references`` reads for a buffer only a pool's list holds, from the same loop (calibrated, not assumed:
+    how locals count differs between Python versions)."""
+    kept = [torch.empty(1)]
+    for buffer in kept:
+        return _references(buffer)
+    raise AssertionError
+
+
+_POOLED = _pooled()

@@ -3,7 +3,8 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes this rank's res
 
 Scenarios: ``gpt`` and ``dp`` (gradients of a GPT, pipeline and pipeline x data parallel),
 ``meta`` (a model built on meta), ``masked`` (a (seq, seq) mask given to the forward), ``moe`` (experts given the rows routed to them),
-``skip`` (a skip connection and an early model output between ranks), ``trap`` (a failure injected on one rank;
+``skip`` (a skip connection and an early model output between ranks), ``reuse`` (receive buffers reused over steps
+in float64), ``trap`` (a failure injected on one rank;
 see :class:`Trap`), ``zoo`` (float64 gradients of the small zoo's NAMES, ``name:mode+mode,...``, under SCHEDULE).
 """
 import json
@@ -298,6 +299,34 @@ def main():
             edges = [(e.name, e.src, e.dsts) for e in WireSpec.from_plan(pipe.plan).edges]
             runs[entry] = {"grads": grads, "loss": None if loss is None else loss.item(), "edges": edges,
                            "posts": list(posts)}
+            if entry != os.environ["CONFIGS"].split(",")[-1]:
+                pipe.close()
+        torch.save(runs, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    elif scenario == "reuse":  # CONFIGS: "virtual_stages:schedule,...": 3 float64 steps each
+        from autopipe.runtime.p2p import P2PTransport
+        receives = []  # per step: the receives this rank posted
+        post = P2PTransport._post
+        P2PTransport._post = lambda self, send, tensor, peer, tag, what: (
+            None if send else receives.append(tag), post(self, send, tensor, peer, tag, what))[1]
+        runs = {}
+        for entry in os.environ["CONFIGS"].split(","):
+            v, schedule = int(entry.split(":")[0]), entry.split(":")[1]
+            torch.manual_seed(0)
+            model = SkipGPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0).double().train()
+            model.skip_to = 2  # a skip from the first stage to a middle one as well
+            pipe = autopipe.compile(model, chunks=4, timeout=30, virtual_stages=v, schedule=schedule)
+            g = torch.Generator().manual_seed(1)
+            losses, posted, pooled, grads = [], [], [], []
+            for _ in range(3):  # a new batch a step: a buffer written too early would carry another step's values
+                ids, target = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+                receives.clear()
+                loss = pipe.step(ids, target=target, loss_fn=skip_loss)
+                losses.append(None if loss is None else loss.item())
+                posted.append(len(receives))
+                pooled.append(sum(map(len, pipe._transport._buffers._kept.values())))
+                grads.append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+                pipe.zero_grad()
+            runs[entry] = {"grads": grads, "losses": losses, "posted": posted, "pooled": pooled}
             if entry != os.environ["CONFIGS"].split(",")[-1]:
                 pipe.close()
         torch.save(runs, os.path.join(OUT_DIR, f"rank{rank}.pt"))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.runtime.wire import WireSpec
+from autopipe.ir.plan import TensorInfo
+from autopipe.runtime.wire import Edge, ReceiveBuffers, WireSpec
 from dist_worker import SkipGPT, skip_loss
 from test_distributed import gpt_batch, launch
 
@@ -100,6 +101,72 @@ def test_skip_and_early_output_between_real_ranks_equal_the_in_process_pipeline(
                 received = [tag for send, peer, tag in results[b]["posts"] if not send and peer == a]
                 assert sent == received, (entry, a, b)
         pipe.close()
+
+
+def test_a_receive_buffer_is_written_again_only_once_nothing_holds_it():
+    """The pool hands a buffer out again once its holders are gone: the stage input made from it, which a saved
+    tensor of the stage's graph keeps until its backward; a view; a user's reference over a step's end."""
+    edge = Edge("h", 0, (1,), TensorInfo("h", (8, 4), torch.float64, 256, 0, (1,)))
+    cpu = torch.device("cpu")
+    pool = ReceiveBuffers()
+    first = pool.take(edge, 2, cpu, False)
+    assert first.shape == (2, 4) and first.dtype == torch.float64
+    w = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    leaf = first.detach().requires_grad_()  # as the runtime makes a stage input
+    loss = (leaf * w).sum()  # saves the leaf for w's gradient
+    del leaf, first
+    second = pool.take(edge, 2, cpu, False)
+    assert pool.take(edge, 3, cpu, False).shape == (3, 4)  # another micro-batch size: another buffer
+    loss.backward()  # the graph lets go of the first buffer's memory
+    del loss
+    view = second[1:]
+    third = pool.take(edge, 2, cpu, False)
+    assert third is not second  # the first buffer, now free
+    del third
+    assert pool.take(edge, 2, cpu, False) is not second
+    del view
+    kept = pool.take(edge, 2, cpu, False)
+    pool.forget_held()  # a step starts while the caller still holds it: never written again
+    assert all(pool.take(edge, 2, cpu, False) is not kept for _ in range(3))
+
+
+REUSE_CONFIGS = "1:gpipe,1:1f1b,2:interleaved,1:zb-h1,1:zbv,1:dualpipev"
+
+
+def test_receive_buffers_reused_over_steps_keep_every_schedules_float64_gradients(tmp_path):
+    """Each schedule with more than one micro-batch in flight, 3 steps of new batches over 2 CPU ranks: a receive
+    buffer is written again only when nothing holds it (Note [receive buffers reused]), so each step's loss and every
+    gradient are the plain model's in float64, while the buffers of later steps are the first step's (a 1F1B rank
+    reuses them within a step too)."""
+    run = launch("reuse", 2, tmp_path, CONFIGS=REUSE_CONFIGS)
+    assert run.codes == [0, 0], run.log()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.manual_seed(0)
+    plain = SkipGPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.0).double().train()
+    plain.skip_to = 2
+    g, losses, grads = torch.Generator().manual_seed(1), [], []
+    for _ in range(3):
+        ids, target = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+        loss = skip_loss(plain(ids), target)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in plain.named_parameters(remove_duplicate=False)})
+        plain.zero_grad()
+    for entry in REUSE_CONFIGS.split(","):
+        results = [r[entry] for r in ranks]
+        got = next(r["losses"] for r in results if r["losses"][0] is not None)
+        assert got == pytest.approx(losses, rel=1e-12), entry
+        for step, expected in enumerate(grads):
+            seen = set()
+            for r in results:
+                for name, grad in r["grads"][step].items():
+                    torch.testing.assert_close(grad, expected[name], rtol=1e-10, atol=1e-12,
+                                               msg=f"{entry} step {step}: {name}")
+                    seen.add(name)
+            assert seen >= {n for n, _ in plain.named_parameters()}, entry
+        for r in results:
+            assert r["pooled"][0] == r["pooled"][-1] <= r["posted"][0], (entry, r)  # no new buffer after step 1
+    assert any(r["1:1f1b"]["pooled"][0] < r["1:1f1b"]["posted"][0] for r in ranks), "1F1B reuses within a step"
 
 
 # -- failures --------------------------------------------------------------------------------------
