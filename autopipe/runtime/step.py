@@ -3,6 +3,7 @@ stages' backward, the anchors that hand parameter gradients to the engine, and o
 The nn.Module a user holds is pipeline.py's Pipeline (why not one graph across stages: Note [anchors])."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -35,6 +36,9 @@ class Program:
 
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
+        readers = collections.Counter(id(p) for r in self.runners for p in r.params)
+        for runner in self.runners:  # Note [no hook on a tensor two threads differentiate]
+            runner.shared = frozenset(i for i in readers if readers[i] > 1)
         self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
         if self.plan.cuda_graphs is not None:  # cuda_graphs=True: the stages its capture report lets replay as graphs
             use_cuda_graphs(self)

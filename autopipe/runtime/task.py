@@ -73,6 +73,7 @@ class StageRunner:
         where = {id(b): k for k, b in enumerate(self.state)}
         self._state_slots = [(m._buffers, name, where[id(b)]) for m in self.stage.modules()
                              for name, b in m._buffers.items() if id(b) in where]
+        self.shared: frozenset[int] = frozenset()  # parameters another stage reads too (set by its Program)
         self.take_parameters()
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
         own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
@@ -256,7 +257,7 @@ class StageRunner:
             return input_grads
         begun = step.timeline.begin(self.stage.device)
         inputs = [saved.inputs[k] for k in wrt_inputs]
-        with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1):
+        with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1, self.shared):
             if step.split_backward and wrt_inputs and mine.wrt_params and (self.index, i) not in step.full_backwards:
                 got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
             else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it), and a full
@@ -277,7 +278,7 @@ class StageRunner:
         work = mine.weights.pop(i)
         if isinstance(work, WeightWork):
             begun = step.timeline.begin(self.stage.device)
-            with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1):
+            with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1, self.shared):
                 work = work.run()
             step.timeline.end(begun, self.index, i, "weight", self.stage.device)
         if work is not None:
