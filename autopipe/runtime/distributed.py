@@ -270,7 +270,11 @@ class DistributedPipeline(torch.nn.Module):
                                            downward=self.downward_groups[self.replica], rank_of=self.rank_of,
                                            name=f"autopipe/{self._id}/{self.replica}")
             self._tied = tie_groups(self.layout, program.plan.shared_params, self.rank_of)
-        return _RankProgram(program, spec, stages, {s: StageRunner(stage) for s, stage in stages.items()}, arguments)
+        runners = {s: StageRunner(stage) for s, stage in stages.items()}
+        # one thread drives a rank's stages: Note [no hook on a tensor two threads differentiate]
+        for runner in runners.values():
+            runner.sum_as_made = True
+        return _RankProgram(program, spec, stages, runners, arguments)
 
     def _hold(self, twins: dict, stages: list) -> None:
         """Right after codegen, before any runner looks at the stages: this rank's tensors on its device, the rest of

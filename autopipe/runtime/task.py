@@ -74,10 +74,15 @@ class StageRunner:
         self._state_slots = [(m._buffers, name, where[id(b)]) for m in self.stage.modules()
                              for name, b in m._buffers.items() if id(b) in where]
         self.shared: frozenset[int] = frozenset()  # parameters another stage reads too (set by its Program)
+        self.sum_as_made = False  # a rank's runners only: Note [no hook on a tensor two threads differentiate]
         self.take_parameters()
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
         own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
         self.stream = own.stream if own is not None else None
+
+    def summing(self, mine: Any, step: Any):
+        """Around an engine call: the gradients summed as the engine makes them, where this runner does so."""
+        return summed_as_made(mine, step.chunks > 1, self.shared, self.sum_as_made)
 
     def take_parameters(self) -> None:
         """The parameters as the stage's modules hold them now: when built, and at each step's start under FSDP2,
@@ -257,7 +262,7 @@ class StageRunner:
             return input_grads
         begun = step.timeline.begin(self.stage.device)
         inputs = [saved.inputs[k] for k in wrt_inputs]
-        with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1, self.shared):
+        with step.ambient.entered(self.stage.device), self.summing(mine, step):
             if step.split_backward and wrt_inputs and mine.wrt_params and (self.index, i) not in step.full_backwards:
                 got, mine.weights[i] = backward_input(roots, grads, inputs, mine.wrt_params)
             else:  # fused; the first stage's B too, where no input needs a gradient (nothing waits on it), and a full
@@ -278,7 +283,7 @@ class StageRunner:
         work = mine.weights.pop(i)
         if isinstance(work, WeightWork):
             begun = step.timeline.begin(self.stage.device)
-            with step.ambient.entered(self.stage.device), summed_as_made(mine, step.chunks > 1, self.shared):
+            with step.ambient.entered(self.stage.device), self.summing(mine, step):
                 work = work.run()
             step.timeline.end(begun, self.index, i, "weight", self.stage.device)
         if work is not None:
