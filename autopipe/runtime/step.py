@@ -4,6 +4,7 @@ The nn.Module a user holds is pipeline.py's Pipeline (why not one graph across s
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,8 +38,12 @@ class Program:
     def __post_init__(self):
         self.runners = [StageRunner(s) for s in self.stages]
         readers = collections.Counter(id(p) for r in self.runners for p in r.params)
+        shared = frozenset(i for i in readers if readers[i] > 1)
+        lock = threading.RLock() if shared else None  # Note [one stage at a time in a shared module table]
+        replicated = any(i in r.replicas for r in self.runners for i in shared)
         for runner in self.runners:  # Note [no hook on a tensor two threads differentiate]
-            runner.shared = frozenset(i for i in readers if readers[i] > 1)
+            runner.shared, runner.shared_replicas = shared, replicated
+            runner.table_lock = lock if any(id(p) in shared for p in runner.params) else None
         self.readers = {name: len(set(t.consumers)) + t.is_output for name, t in self.plan.tensors.items()}
         if self.plan.cuda_graphs is not None:  # cuda_graphs=True: the stages its capture report lets replay as graphs
             use_cuda_graphs(self)

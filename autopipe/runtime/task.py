@@ -75,6 +75,9 @@ class StageRunner:
                              for name, b in m._buffers.items() if id(b) in where]
         self.shared: frozenset[int] = frozenset()  # parameters another stage reads too (set by its Program)
         self.sum_as_made = False  # a rank's runners only: Note [no hook on a tensor two threads differentiate]
+        self.table_lock: Any = None  # shared with the other stages that read one of its parameters (its Program)
+        self.shared_replicas = False  # a stage holds a replica of a shared parameter
+        self._locking = False
         self.take_parameters()
         self.copy_streams: dict[torch.device, Any] = {}  # per device, for transfers onto this stage's device
         own = getattr(self.stage, "compute_stream", None)  # a StageStream: devices= gave this stage a stream
@@ -111,10 +114,17 @@ class StageRunner:
     def index(self) -> int:
         return self.stage.index
 
+    # Note [one stage at a time in a shared module table]: stages that read one parameter (a tied weight) read it from
+    # one module table, the model's own. A stage that swaps that slot for a task (a hooked parameter's alias, a
+    # replica on another device) would hand it to the other stage's worker thread mid-task: that stage then computed
+    # with the wrong alias and its gradient went to the other's sum (test_step's tied heads lost one part of a.weight
+    # 7 runs in 8). Where a shared parameter is swapped, the stages that read it run their tasks one at a time.
     # Note [parameter hooks on an alias]: a parameter with a gradient hook is differentiated through a hook-free alias
     # of the same storage, so the hook runs once, on the step's whole gradient (in the engine for pipe(x), through
     # accumulate_grads for pipe.step), as in the plain model, not once per micro-batch.
     def start_step(self, step: StepState) -> None:
+        self._locking = self.table_lock is not None and (self.shared_replicas or any(
+            p._backward_hooks for p in self.params if id(p) in self.shared))
         if self._replica_slots:
             with torch.no_grad():
                 for _, _, original, replica in self._replica_slots:
@@ -239,6 +249,8 @@ class StageRunner:
         if step.ambient.inference and not step.training:
             stack.enter_context(torch.inference_mode())
         step.ambient.enter(stack, stage.device)
+        if self._locking:  # Note [one stage at a time in a shared module table]
+            stack.enter_context(self.table_lock)
         if self._replica_slots or step.stages[id(self)].alias_slots:
             stack.enter_context(swapped(self._replica_slots + step.stages[id(self)].alias_slots))
         if step.deferred is not None and stage.running_buffers:
