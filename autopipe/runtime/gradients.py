@@ -116,10 +116,9 @@ _ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine
 # Note [no hook on a tensor two threads differentiate]: a weight tied between two stages run by two CPU worker threads
 # is one tensor in both. Setting its hooks in one thread while the other's engine call reads them races in C++ (the
 # engine walks the tensor's hook list without the GIL): a segfault, or "vector::_M_range_check" inside the backward.
-# Such a parameter is never hooked; its gradients are summed after the call, as before (add_param_grads). In process,
-# where stages are worker threads of one autograd engine, tied-weight models still lost gradients now and then with
-# the hooks on, so only a torchrun rank's runners (one thread drives a rank's stages) sum as made; the page faults
-# this removes were measured there (benchmarks/schedules.py), and in process the step is as it was.
+# Such a parameter is never hooked; its gradients are summed after the call, as before (add_param_grads). Only a
+# torchrun rank's runners (one thread drives a rank's stages) sum as made: the page faults this removes were measured
+# there (benchmarks/schedules.py); the in-process step, its stages worker threads, is as it was.
 # Note [gradients summed as the engine makes them]: an engine call towards a stage's parameters returns all their
 # gradients at once, so on a CPU a micro-batch's weight gradients were all alive together and freed together at
 # the top of glibc's heap, which trimmed them back to the OS; the next micro-batch's matrix products then wrote
