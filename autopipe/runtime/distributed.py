@@ -26,7 +26,7 @@ from .loss import Loss, scaled
 from .mesh import describe, pipeline_size, rank_layout, tie_groups
 from .p2p import P2PTransport, PipelineError
 from .pipeline import check_same_kinds, signature_key
-from .sharding import ShardedStages, refuse_fsdp_on_top, sharded_by_the_user, sum_tied
+from .sharding import ShardedStages, grads_before, refuse_fsdp_on_top, sharded_by_the_user, sum_tied
 from .step import Program, model_loss
 from .gradients import accumulate_grads
 from .step_state import StepState
@@ -337,12 +337,14 @@ class DistributedPipeline(torch.nn.Module):
         if state.deferred is not None:
             state.deferred.commit()
         scale = self._grad_scale(loss) if loss_fn is not None else None
+        lookup = lambda name: _tensor(self._model, name)  # by its canonical name: a stage may say another
+        before = grads_before(self._tied, lookup)
         if sharded is not None:
             sharded.reduce([pair for runner in runners.values() for pair in scaled(runner.take_grads(state), scale)],
                            later)
         for runner in runners.values() if sharded is None else ():  # in stage order: a tie on one rank sums alike
             accumulate_grads(scaled(runner.take_grads(state), scale))
-        sum_tied(self._tied, lambda name: _tensor(self._model, name))  # by its canonical name: a stage may say another
+        sum_tied(self._tied, lookup, before)
         return loss.total if loss is not None else None
 
     def _grad_scale(self, loss: Loss | None) -> float | None:

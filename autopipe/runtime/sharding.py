@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from .materialize import rebind, tables
 
-__all__ = ["ShardedStages", "sharded_by_the_user", "refuse_fsdp_on_top", "sum_tied"]
+__all__ = ["ShardedStages", "sharded_by_the_user", "refuse_fsdp_on_top", "grads_before", "sum_tied"]
 
 
 def sharded_by_the_user(module: torch.nn.Module, what: str) -> str | None:
@@ -127,13 +127,29 @@ class ShardedStages:
         self._follow(held, also)
 
 
-def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -> None:
-    """Each tied weight's gradient summed over the ranks that hold it (``lookup(name)``: this rank's parameter of that
-    canonical name); a DTensor's local shard, which holds the same rows on every holder."""
+def grads_before(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -> list:
+    """Each tied weight's ``.grad`` before a step adds to it (a clone; None where there is none), for sum_tied."""
+    return [None if lookup(name).grad is None else lookup(name).grad.detach().clone() for name, _, _ in tied]
+
+
+# Note [a tie sums the step's gradient alone]: the ranks holding a tied weight each add their stage's gradient to
+# its .grad; summing the whole .grad over them would add every other rank's earlier steps again where a loop
+# accumulates over several steps without zeroing. The step's part alone (.grad less what it held before) is summed.
+def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup, before: list | None = None) -> None:
+    """Each tied weight's gradient of this step summed over the ranks that hold it (``lookup(name)``: this rank's
+    parameter of that canonical name; ``before``: grads_before, taken before the step; Note [a tie sums the step's
+    gradient alone]); a DTensor's local shard, which holds the same rows on every holder."""
     with torch.no_grad():
-        for name, group, _ in tied:
+        for k, (name, group, _) in enumerate(tied):
             p = lookup(name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(local, group=group)
+            held = before[k] if before is not None else None
+            if held is None:
+                dist.all_reduce(local, group=group)
+                continue
+            held = held.to_local() if hasattr(held, "to_local") else held
+            mine = local - held
+            dist.all_reduce(mine, group=group)
+            local.copy_(held + mine)

@@ -189,7 +189,8 @@ def trap(rank: int, world: int):
 
 def training_loop(rank: int, world: int) -> "autopipe.DistributedPipeline":
     """A user's loop: float64 GPT with its LM head tied to the embedding, AdamW, pipe.clip_grad_norm_ every step
-    (NORM_TYPE, MAX_NORM), sequence lengths from SEQ_LENS (dynamic padding: a new shape a step)."""
+    (NORM_TYPE, MAX_NORM), sequence lengths from SEQ_LENS (dynamic padding: a new shape a step), the gradients of
+    ACCUMULATE batches summed before each optimizer step (gradient accumulation: no zero_grad in between)."""
     torch.set_default_dtype(torch.float64)
     model = GPT(vocab=64, d=32, heads=4, layers=4, block=32, dropout=0.0)
     torch.set_default_dtype(torch.float32)
@@ -200,14 +201,17 @@ def training_loop(rank: int, world: int) -> "autopipe.DistributedPipeline":
     norm_type, max_norm = float(os.environ.get("NORM_TYPE", "2")), float(os.environ.get("MAX_NORM", "0.5"))
     g = torch.Generator().manual_seed(1)
     losses, norms, seconds = [], [], {}
-    for seq in seq_lens:
+    accumulate = int(os.environ.get("ACCUMULATE", "1"))
+    for k, seq in enumerate(seq_lens):
         ids, target = torch.randint(0, 64, (8, seq), generator=g), torch.randint(0, 64, (8, seq), generator=g)
         loss = pipe.step(ids, target=target, loss_fn=lm_loss)
         seconds.setdefault(seq, sum(pipe.plan.pass_seconds.values()))
+        losses.append(None if loss is None else loss.item())
+        if (k + 1) % accumulate:
+            continue
         norms.append(pipe.clip_grad_norm_(max_norm, norm_type).item() if max_norm > 0 else None)
         opt.step()
         opt.zero_grad()
-        losses.append(None if loss is None else loss.item())
     results = {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()}, "losses": losses,
                "norms": norms, "seconds": seconds, "programs": len(pipe._programs)}
     if os.environ.get("SKEW"):  # the last rank called with a shorter batch than the others: refused on every rank

@@ -31,18 +31,21 @@ def gpt64() -> GPT:
         torch.set_default_dtype(torch.float32)
 
 
-def plain_loop(seq_lens, max_norm, norm_type=2.0):
-    """The loop on the plain model in one process: parameters after the last step, each step's loss and total norm."""
+def plain_loop(seq_lens, max_norm, norm_type=2.0, accumulate=1):
+    """The loop on the plain model in one process: parameters after the last step, each batch's loss and each
+    optimizer step's total norm (the gradients of ``accumulate`` batches summed before each)."""
     model = gpt64()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
-    for ids, target in batches(seq_lens):
+    for k, (ids, target) in enumerate(batches(seq_lens)):
         loss = lm_loss(model(ids), target)
         loss.backward()
+        losses.append(loss.item())
+        if (k + 1) % accumulate:
+            continue
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
     return dict(model.named_parameters(remove_duplicate=False)), losses, norms
 
 

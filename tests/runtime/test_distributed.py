@@ -273,20 +273,21 @@ def test_meta_model_materialises_only_this_ranks_parameters(tmp_path):
         assert "placement" in r["moved"] and r["dtypes"] == {torch.float32}
 
 
-@pytest.mark.parametrize("world,schedule,norm_type,seq_lens", [(2, "gpipe", 2.0, "16,24,12,16"),
-                                                               (4, "1f1b", math.inf, "16,16,20,16")])
+@pytest.mark.parametrize("world,schedule,norm_type,seq_lens,accumulate", [(2, "gpipe", 2.0, "16,24,12,16", 2),
+                                                                          (4, "1f1b", math.inf, "16,16,20,16", 1)])
 def test_a_training_loop_with_clipping_and_a_new_length_a_step_is_the_plain_models(tmp_path, world, schedule,
-                                                                                  norm_type, seq_lens):
-    """AdamW, pipe.clip_grad_norm_ every step (the norm over every stage, the tied embedding and LM head counted once)
-    and dynamic padding (a longer, then a shorter sequence: a program per shape, one cut for all): after 4 steps every
-    parameter, loss and total norm is the plain model's, in float64."""
+                                                                                  norm_type, seq_lens, accumulate):
+    """AdamW, pipe.clip_grad_norm_ every optimizer step (the norm over every stage, the tied embedding and LM head
+    counted once), dynamic padding (a longer, then a shorter sequence: a program per shape, one cut for all) and
+    gradient accumulation over 2 batches (the tie summed over its ranks once a batch: Note [a tie sums the step's
+    gradient alone]): every parameter, loss and total norm is the plain model's, in float64."""
     from test_clipping import plain_loop
     run = launch("loop", world, tmp_path, NORM_TYPE=norm_type, MAX_NORM=0.5, SEQ_LENS=seq_lens, SCHEDULE=schedule,
-                 SKEW=1)
+                 SKEW=1, ACCUMULATE=accumulate)
     assert run.codes == [0] * world, run.log()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     lengths = [int(n) for n in seq_lens.split(",")]
-    params, losses, norms = plain_loop(lengths, 0.5, norm_type)
+    params, losses, norms = plain_loop(lengths, 0.5, norm_type, accumulate)
     for r in ranks:
         assert r["norms"] == pytest.approx(norms, rel=1e-12), "every rank scales by the plain model's norm"
         assert r["programs"] == len(set(lengths))
