@@ -20,12 +20,11 @@ demo: install
 	$(VPY) examples/demo.py
 
 # Two pytest workers (pytest-xdist): the suite is single-core bound (user time ~ wall time), and CI has 2 cores.
-# loadgroup: the tests sharing one torchrun launch (tests/runtime/conftest.py) run on one worker, so it runs once.
 PYTEST_WORKERS ?= 2
 
 test: install
 	$(VPY) -m ruff check autopipe passes tests benchmarks examples zoo
-	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(VPY) -m pytest -n $(PYTEST_WORKERS)
 
 bench: install
 	$(VPY) benchmarks/partition.py

@@ -1,7 +1,7 @@
 """The torchrun runs of mesh_worker.py, each launched once a run and shared by test_materialize.py,
 test_sharding.py and test_checkpoint_dcp.py: a launch of 4 ranks costs 10-20 s. A fixture scoped to the run is per
-pytest-xdist worker, so those files mark their tests ``xdist_group("torchrun_mesh")`` and the Makefile runs
-``--dist loadgroup``: one worker runs them, and each run launches once."""
+pytest-xdist worker, so each launch runs under a file lock in a folder both workers share: the first worker to need
+it launches, the other reads the ranks' results it wrote."""
 import os
 
 import pytest
@@ -23,23 +23,38 @@ def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+def once(folder, launch) -> list[dict]:
+    """``launch(folder)`` under a lock, unless another pytest-xdist worker already ran it: then its results."""
+    from filelock import FileLock
+    with FileLock(str(folder) + ".lock"):
+        done = folder / "done"
+        if not done.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            launch(folder)
+            done.touch()
+    return [torch.load(path, weights_only=False) for path in sorted(folder.glob("rank*.pt"))]
+
+
 @pytest.fixture(scope="session")
 def torchrun_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("mesh")
+    """The run's own folder (under pytest-xdist, the one every worker's folder is in)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mesh"
 
 
 @pytest.fixture(scope="session")
 def mesh_run(torchrun_dir) -> list[dict]:
     """4 ranks as pp=2 x dp_shard=2 (mesh_worker.mesh_scenario); its DCP checkpoint in ``torchrun_dir / "ckpt"``."""
-    return launched("mesh", 4, torchrun_dir)
+    return once(torchrun_dir, lambda folder: launched("mesh", 4, folder))
 
 
 @pytest.fixture(scope="session")
 def pp_run(torchrun_dir, mesh_run) -> list[dict]:
     """2 ranks at pp=2 (mesh_worker.pp_scenario), after mesh_run saved its checkpoint, with a Llama's safetensors
-    shards written here first (``llama_checkpoint``)."""
+    shards written into ``torchrun_dir`` first (``llama_checkpoint``)."""
     from test_checkpoint_dcp import llama_checkpoint
-    llama_checkpoint(torchrun_dir)
-    out = torchrun_dir / "pp"
-    out.mkdir()
-    return launched("pp", 2, out, CHECKPOINTS=torchrun_dir)
+
+    def launch(folder):
+        llama_checkpoint(torchrun_dir)
+        launched("pp", 2, folder, CHECKPOINTS=torchrun_dir)
+    return once(torchrun_dir / "pp", launch)

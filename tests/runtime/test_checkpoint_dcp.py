@@ -13,8 +13,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from mesh_worker import FLAT, LR, MAX_NORM, batch, gpt64, lm_loss
 from test_sharding import plain_training
 
-pytestmark = pytest.mark.xdist_group("torchrun_mesh")  # conftest.py: one worker, one launch a run
-
 
 def llama_checkpoint(directory) -> None:
     """A tiny LlamaForCausalLM (tied embedding and head) saved by ``save_pretrained`` in 6 safetensors shards, and

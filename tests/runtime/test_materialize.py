@@ -15,8 +15,6 @@ from zoo import GPT
 
 ROUTES = ("cpu fx", "meta fx", "cpu export", "meta export")
 
-pytestmark = pytest.mark.xdist_group("torchrun_mesh")  # conftest.py: one worker, one launch a run
-
 
 @pytest.mark.parametrize("name", ROUTES)
 def test_after_compile_a_rank_holds_its_stages_tensors_alone(pp_run, name):

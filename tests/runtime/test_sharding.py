@@ -9,8 +9,6 @@ import torch
 
 from mesh_worker import LR, MAX_NORM, NEW_LENGTHS, batch, gpt64, lm_loss
 
-pytestmark = pytest.mark.xdist_group("torchrun_mesh")  # conftest.py: one worker, one launch a run
-
 
 def plain_training(steps: int):
     """The plain model trained in one process on every step's whole batch: parameters after each step, losses, norms."""
