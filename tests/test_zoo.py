@@ -2,7 +2,7 @@
 plain model's (float64, tolerance 1e-10) and re-materialisation replays the forward bit for bit.
 
 A known failure goes in KNOWN (marked xfail(strict=False), with the error verify reported); none is open.
-mobilenet_v2 is slow and runs only with AUTOPIPE_SLOW_ZOO=1.
+The models in SLOW (each also run elsewhere in every run, or too slow) run only with AUTOPIPE_SLOW_ZOO=1.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ KNOWN: dict[str, str] = {}  # name -> reason: marked xfail(strict=False)
 SLOW = {"mobilenet_v2": "~15 s: 17 inverted-residual blocks to trace three times, and float64 depthwise-convolution "
                         "backward has no fast CPU kernel",
         "unet_diffusers": "~26 s on 2 cores: it specialises on the batch size, so each micro-batch size is exported "
-                          "again; test_faithfulness.py's batch-specialising UNet runs that class in every run"}
+                          "again; test_faithfulness.py's batch-specialising UNet runs that class in every run",
+        "t5": "~19 s: tests/test_huggingface_encoder_decoder.py runs T5 at K=2, 3 and 4 in every run",
+        "bart": "~14 s: test_faithfulness.py's bit-for-bit recompute runs BART in every run"}
 
 DEVICES_4 = ["gpt2", "mobilenet_v3"]
 
