@@ -8,15 +8,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from autopipe.passes.cut_solver import CutProblem, NoCutKeepsWhole, solve_cuts
 from autopipe.passes.priced_cuts import solve_priced_cuts
+from test_cut_solver import live_across
 
 
-def live_bytes(problem: CutProblem, position: int) -> tuple[int, int]:
-    """(tensors, bytes) produced before ``position`` and read at or after it."""
-    tensors = data = 0
-    for i, readers in enumerate(problem.consumers):
-        if i < position and any(j >= position for j in readers):
-            tensors, data = tensors + 1, data + problem.out_bytes[i]
-    return tensors, data
 
 
 def priced_plans(problem: CutProblem, price: float):
@@ -25,9 +19,9 @@ def priced_plans(problem: CutProblem, price: float):
     plans = []
     for cuts in itertools.combinations(range(1, n), problem.n_stages - 1):
         starts = (0,) + cuts
-        costs = [sum(problem.weights[a:b]) + price * (live_bytes(problem, a)[1] + live_bytes(problem, b)[1])
+        costs = [sum(problem.weights[a:b]) + price * (live_across(problem, a)[1] + live_across(problem, b)[1])
                  for a, b in zip(starts, cuts + (n,))]
-        crossing = [live_bytes(problem, c) for c in cuts]
+        crossing = [live_across(problem, c) for c in cuts]
         keeps = all(any(not any(first < c <= last for c in cuts) for first, last in ranges)
                     for ranges in problem.kept_whole)
         plans.append((max(costs), (sum(t for t, _ in crossing), sum(d for _, d in crossing)), starts, keeps))

@@ -98,6 +98,18 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def assert_ranks_hold_the_models_grads(results: list[dict], model, entry: str) -> None:
+    """Each rank's gradients are those ``model`` holds after its in-process step, and every parameter got its
+    gradient on some rank."""
+    seen = set()
+    for r in results:
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"{entry}: {name}")
+            seen.add(name)
+    assert seen >= {n for n, _ in model.named_parameters()}, entry
+
+
 @pytest.mark.parametrize("world,configs", [(2, "except_last:gpipe:1,always:interleaved:2,except_last:zbv:1"),
                                            (4, "always:gpipe:1,except_last:1f1b:1,always:zb-h1:1")])
 def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, configs):
@@ -120,13 +132,7 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, confi
         loss_rank = pipe.schedule.device_of(pipe.plan.n_stages - 1)  # zbv: the V turns back to rank 0
         assert results[loss_rank]["losses"][0] == pytest.approx(loss.item(), rel=1e-5), entry
         assert all(r["losses"] == [None, None] for k, r in enumerate(results) if k != loss_rank), entry
-        seen = set()
-        for r in results:
-            for name, grad in r["grads"].items():
-                torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6,
-                                           msg=f"{entry}: {name}")
-                seen.add(name)
-        assert seen >= {n for n, _ in model.named_parameters()}, entry  # every parameter got its gradient somewhere
+        assert_ranks_hold_the_models_grads(results, model, entry)
         # the tied embedding / LM head: summed across the first and the last rank, so both copies agree
         head = results[loss_rank]["grads"]  # zbv: rank 0 holds both ends, one tensor under the name wte.weight
         torch.testing.assert_close(results[0]["grads"]["wte.weight"],
