@@ -116,9 +116,8 @@ _ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine
 # Note [no hook on a tensor two threads differentiate]: a weight tied between two stages run by two CPU worker threads
 # is one tensor in both. Setting its hooks in one thread while the other's engine call reads them races in C++ (the
 # engine walks the tensor's hook list without the GIL): a segfault, or "vector::_M_range_check" inside the backward.
-# Such a parameter is never hooked; its gradients are summed after the call, as before (add_param_grads). Only a
-# torchrun rank's runners (one thread drives a rank's stages) sum as made: the page faults this removes were measured
-# there (benchmarks/schedules.py); the in-process step, its stages worker threads, is as it was.
+# So only a torchrun rank's runners (one thread drives a rank's stages) sum as made: the page faults this removes were
+# measured there (benchmarks/schedules.py); the in-process step, its stages worker threads, is as it was.
 # Note [gradients summed as the engine makes them]: an engine call towards a stage's parameters returns all their
 # gradients at once, so on a CPU a micro-batch's weight gradients were all alive together and freed together at
 # the top of glibc's heap, which trimmed them back to the OS; the next micro-batch's matrix products then wrote
@@ -135,16 +134,13 @@ _ZEROS: dict[tuple, torch.Tensor] = {}  # the zero tensors hooks hand the engine
 # engine call of the thread that set it (the engine runs a CPU graph on the calling thread), and leaves any other
 # to that call, which sums it as before (add_param_grads: the same additions in the same order).
 @contextlib.contextmanager
-def summed_as_made(mine: Any, more: bool, shared: frozenset[int] = frozenset(), on: bool = True) -> Iterator[None]:
+def summed_as_made(mine: Any, more: bool) -> Iterator[None]:
     """Around an engine call towards ``mine.wrt_params`` (``mine``: a StageStep): each CPU parameter's gradient added
     to the step's sum as the engine makes it; ``more``: other micro-batches' will be added to it (Note [gradients
-    summed as the engine makes them]); ``shared``: the ids of parameters another stage also reads, left unhooked
-    (Note [no hook on a tensor two threads differentiate]); ``on=False``: nothing is hooked."""
-    if not on:
-        yield
-        return
+    summed as the engine makes them]); on a torchrun rank only (Note [no hook on a tensor two threads
+    differentiate])."""
     params, thread = mine.wrt_params, threading.get_ident()
-    hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu" and id(p) not in shared
+    hooked = [(k, p, p._backward_hooks) for k, p in enumerate(params) if p.device.type == "cpu"
               and not p._backward_hooks and type(p) in (torch.nn.Parameter, torch.Tensor)]
     if hooked and not mine.param_grads:  # only then: an empty list still tells a CUDA graph its first backward
         mine.param_grads, mine.owned = [None] * len(params), [False] * len(params)

@@ -129,7 +129,8 @@ class ShardedStages:
 
 def grads_before(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -> list:
     """Each tied weight's ``.grad`` before a step adds to it (a clone; None where there is none), for sum_tied."""
-    return [None if lookup(name).grad is None else lookup(name).grad.detach().clone() for name, _, _ in tied]
+    grads = [lookup(name).grad for name, _, _ in tied]
+    return [None if g is None else g.detach().clone() for g in grads]
 
 
 # Note [a tie sums the step's gradient alone]: the ranks holding a tied weight each add their stage's gradient to

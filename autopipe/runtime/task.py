@@ -85,7 +85,7 @@ class StageRunner:
 
     def summing(self, mine: Any, step: Any):
         """Around an engine call: the gradients summed as the engine makes them, where this runner does so."""
-        return summed_as_made(mine, step.chunks > 1, self.shared, self.sum_as_made)
+        return summed_as_made(mine, step.chunks > 1) if self.sum_as_made else contextlib.nullcontext()
 
     def take_parameters(self) -> None:
         """The parameters as the stage's modules hold them now: when built, and at each step's start under FSDP2,
