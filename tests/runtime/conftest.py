@@ -14,11 +14,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "mesh_worker.py")
 
 def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
     """Each rank's results of ``scenario`` run on ``world`` ranks writing into ``out_dir``."""
-    saved, test_distributed.WORKER = test_distributed.WORKER, WORKER
-    try:
-        run = test_distributed.launch(scenario, world, out_dir, timeout=300, **env)
-    finally:
-        test_distributed.WORKER = saved
+    run = test_distributed.launch(scenario, world, out_dir, timeout=300, worker=WORKER, **env)
     assert run.codes == [0] * world, run.log()
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

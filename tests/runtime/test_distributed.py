@@ -4,7 +4,6 @@ Failures (a rank raising, killed, hung) are tested in test_p2p.py, which shares 
 import math
 import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -37,14 +36,62 @@ class Launched:
         return "\n".join(f"--- rank {r} (exit {c}) ---\n{o}" for r, (c, o) in enumerate(zip(self.codes, self.outputs)))
 
 
-def launch(scenario, world, out_dir, timeout=120, stop_after=None, **env) -> Launched:
+# Note [ranks forked from a preloaded server]: a rank started as a fresh interpreter spends ~4 s of CPU importing
+# torch and autopipe before it does anything, and the suite starts ~100 ranks on 2 cores. The ranks are forked
+# instead from multiprocessing's forkserver, which imported them once (with OMP_NUM_THREADS=1, as every rank
+# runs): each is still its own process with its own torch.distributed state, environment, argv and log file, and
+# runs the worker file as ``__main__``, as torchrun's ranks do. What a fork shares with a fresh interpreter is the
+# imported code alone; a rank ends as multiprocessing's children do (its non-daemon threads joined, then exit).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "autopipe",
+           "autopipe.runtime.distributed", "zoo", "dist_worker"]
+
+
+def _rank_processes():
+    """multiprocessing's forkserver context, its server started (once a pytest process) with the ranks' thread
+    count: Note [ranks forked from a preloaded server]."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
+def run_rank(worker: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """A forked rank: its environment, its log file as stdout and stderr, ``worker`` run as ``__main__``."""
+    import runpy
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [worker, *argv]
+    runpy.run_path(worker, run_name="__main__")
+
+
+def launch(scenario, world, out_dir, timeout=120, stop_after=None, worker=None, **env) -> Launched:
     """Start ``world`` ranks the way torchrun does: its environment contract, and the rendezvous
-    store hosted outside the ranks (torchrun's agent hosts it), so it outlives any rank.
+    store hosted outside the ranks (torchrun's agent hosts it), so it outlives any rank; ``worker``:
+    the file each rank runs (dist_worker.py). The ranks are forked from a preloaded server (Note [ranks
+    forked from a preloaded server]).
 
     ``stop_after``: seconds after the first rank fails (exits non-zero) at which the ranks still
     running are killed, as torchrun's agent stops every worker when one fails (a hung rank never
     ends by itself). Without it every rank must end by itself within ``timeout``."""
     import torch.distributed as dist
+    ctx = _rank_processes()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
     procs, logs = [], []
@@ -53,10 +100,11 @@ def launch(scenario, world, out_dir, timeout=120, stop_after=None, **env) -> Lau
                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True",
                  **{k: str(v) for k, v in env.items()})
-        log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")  # a file, not a pipe: no rank blocks on it
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, str(out_dir)], env=e,
-                                      stdout=log, stderr=subprocess.STDOUT, text=True))
+        path = os.path.join(out_dir, f"rank{rank}.log")
+        logs.append(open(path, "w+"))  # a file, not a pipe: no rank blocks on it
+        p = ctx.Process(target=run_rank, args=(worker or WORKER, [scenario, str(out_dir)], e, path))
+        p.start()
+        procs.append(p)
     start = time.monotonic()
     ends: list[float | None] = [None] * world
     first_failure = None
@@ -64,9 +112,9 @@ def launch(scenario, world, out_dir, timeout=120, stop_after=None, **env) -> Lau
         while any(t is None for t in ends):
             now = time.monotonic() - start
             for r, p in enumerate(procs):
-                if ends[r] is None and p.poll() is not None:
+                if ends[r] is None and p.exitcode is not None:
                     ends[r] = now
-                    if p.returncode != 0 and first_failure is None:
+                    if p.exitcode != 0 and first_failure is None:
                         first_failure = now
             if stop_after is not None and first_failure is not None and now > first_failure + stop_after:
                 for r, p in enumerate(procs):
@@ -78,15 +126,15 @@ def launch(scenario, world, out_dir, timeout=120, stop_after=None, **env) -> Lau
             time.sleep(0.02)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-                p.wait()
+            p.join()
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    return Launched([p.returncode for p in procs], outputs, max(ends), ends)
+    return Launched([p.exitcode for p in procs], outputs, max(ends), ends)
 
 
 def gpt_batch():

@@ -339,12 +339,11 @@ def test_targets_the_weights_set_are_not_counted_ahead_and_the_plan_says_so():
     assert "cannot read as a mean or a sum over its samples" in str(pipe.plan)
 
 
-def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_path, monkeypatch):
+def test_the_token_mean_losses_over_two_torchrun_ranks_are_the_plain_models(tmp_path):
     """Under torchrun only the last stage's rank runs the loss: the counts are its own, and the scale of a (sum, count)
     loss reaches the other rank by a broadcast."""
     import test_distributed
-    monkeypatch.setattr(test_distributed, "WORKER", os.path.join(os.path.dirname(__file__), "loss_worker.py"))
-    run = test_distributed.launch("losses", 2, tmp_path)
+    run = test_distributed.launch("losses", 2, tmp_path, worker=os.path.join(os.path.dirname(__file__), "loss_worker.py"))
     assert run.codes == [0, 0], run.log()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     x, y = ignored_targets()
