@@ -3,7 +3,6 @@ DeviceMesh whose "pp" dim is the pipeline and whose "dp_shard" / "dp_replicate" 
 weights, DCP checkpoints and pretrained loads: docs/architecture.md, "Under torchrun"; docs/torchrun.md."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -331,8 +330,7 @@ class DistributedPipeline(torch.nn.Module):
             if sharded is not None:
                 runner.take_parameters()  # the unsharded parameters, which the tasks differentiate
             runner.start_step(state)
-        with sharded.running() if sharded is not None else contextlib.nullcontext():
-            transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
+        transport.run(local, sizes, schedule, lambda t: runners[t.stage], state, loss)
         self.timeline = state.timeline  # this rank's tasks
         if state.deferred is not None:
             state.deferred.commit()

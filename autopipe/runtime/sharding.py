@@ -14,6 +14,13 @@ at its end hands the summed gradients to the unsharded parameters and runs each 
 (runtime/task.py, ``take_parameters``) and sum the micro-batches' gradients as without FSDP2. All of a rank's stages
 are one FSDP2 group: a weight two of them share (interleaved, zbv) stays one parameter.
 
+Note [one FSDP2 root over a rank's stages]: ``fully_shard`` is applied to a container of the rank's stages that no
+one calls, not to the stages: FSDP2 refuses a group of several modules as a root the first time one of them runs
+("FSDP requires a single root module"), and its forward hooks on a stage would gather and reduce per micro-batch,
+which the step does itself once (Note [FSDP2 driven by the step]). The container is not part of the pipeline's
+module tree: the stages' parameters keep the model's names (runtime/checkpoint.py). Its lazy initialisation, which
+FSDP2 runs in the root's first forward, is called at once.
+
 Note [programs after the first under FSDP2]: FSDP2 manages the parameters of the first program's stage modules: it
 registers the gathered parameters on them for a step and the shards between steps. A later input signature's stages
 (their own modules, holding the shards as the model does) follow those swaps by identity, at the gather and at the
@@ -21,8 +28,6 @@ reshard, so their tasks differentiate the gathered parameters and the reduction 
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Iterable
 
 import torch
@@ -61,6 +66,17 @@ def refuse_fsdp_on_top(pipe: torch.nn.Module, stages: list[torch.nn.Module], our
                          f"itself over the mesh's 'dp_shard' dim; drop your fully_shard (docs/torchrun.md)")
 
 
+class _StagesRoot(torch.nn.Module):
+    """The one module FSDP2 shards over a rank's stages (Note [one FSDP2 root over a rank's stages]); never called."""
+
+    def __init__(self, stages: list[torch.nn.Module]):
+        super().__init__()
+        self.stages = torch.nn.ModuleList(stages)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the stages run one by one, never through their FSDP2 root")
+
+
 class ShardedStages:
     """This rank's stages under FSDP2 over ``mesh``: one group, gathered and reduced once a step (Note [FSDP2 driven
     by the step]). The model's own slots, and those of ``elsewhere`` (the traced graph), hold the sharded parameters
@@ -70,29 +86,22 @@ class ShardedStages:
         self.stages = stages
         before = [(table, name, p) for table, name, p in tables(m for s in stages for m in s.modules())
                   if isinstance(p, torch.nn.Parameter)]
-        fully_shard(stages if len(stages) > 1 else stages[0], mesh=mesh, reshard_after_forward=False)
-        self.state = fully_shard.state(stages[0])
+        self.root = _StagesRoot(stages)  # Note [one FSDP2 root over a rank's stages]
+        fully_shard(self.root, mesh=mesh, reshard_after_forward=False)
+        self.state = fully_shard.state(self.root)
+        self.state._lazy_init()  # what the root's first forward would do: it is never called
         moved = {id(p): (p, table[name]) for table, name, p in before if table.get(name) is not p}
         rebind(holders, moved)
 
     def unshard(self, also: Iterable[torch.nn.Module] = ()) -> None:
         """At a step's start: the parameters gathered, and no task reduces or reshards; ``also``: a later program's
         stages, which then hold the gathered parameters too (Note [programs after the first under FSDP2])."""
-        for stage in self.stages:
-            stage.set_is_last_backward(False)
-            stage.set_reshard_after_backward(False)
-            stage.set_requires_gradient_sync(False)
+        self.root.set_is_last_backward(False)
+        self.root.set_reshard_after_backward(False)
+        self.root.set_requires_gradient_sync(False)
         held = self._held()
-        self.stages[0].unshard()
+        self.root.unshard()
         self._follow(held, also)
-
-    @contextlib.contextmanager
-    def running(self):
-        """Around a step's tasks: FSDP2's warning that a stage returns a view (harmless with the parameters gathered
-        for the whole step) is not the user's."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-            yield
 
     def _held(self) -> list[tuple[dict, str, torch.Tensor]]:
         return list(tables(m for s in self.stages for m in s.modules()))
@@ -115,10 +124,9 @@ class ShardedStages:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         pairs.clear()
-        for stage in self.stages:
-            stage.set_is_last_backward(True)
-            stage.set_reshard_after_backward(True)
-            stage.set_requires_gradient_sync(True)
+        self.root.set_is_last_backward(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_requires_gradient_sync(True)
         held = self._held()
         for state in self.state._state_ctx.all_states or [self.state]:
             for group in state._fsdp_param_groups:

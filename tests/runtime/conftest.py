@@ -10,6 +10,7 @@ import torch
 import test_distributed
 
 WORKER = os.path.join(os.path.dirname(__file__), "mesh_worker.py")
+HSDP_WORLD = 8  # dp_replicate=2 x dp_shard=2 x pp=2
 
 
 def launched(scenario: str, world: int, out_dir, **env) -> list[dict]:
@@ -42,6 +43,12 @@ def torchrun_dir(tmp_path_factory):
 def mesh_run(torchrun_dir) -> list[dict]:
     """4 ranks as pp=2 x dp_shard=2 (mesh_worker.mesh_scenario); its DCP checkpoint in ``torchrun_dir / "ckpt"``."""
     return once(torchrun_dir, lambda folder: launched("mesh", 4, folder))
+
+
+@pytest.fixture(scope="session")
+def hsdp_run(torchrun_dir) -> list[dict]:
+    """HSDP_WORLD ranks as dp_replicate=2 x dp_shard=2 x pp (mesh_worker.hsdp_scenario)."""
+    return once(torchrun_dir / "hsdp", lambda folder: launched("hsdp", HSDP_WORLD, folder))
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 test_checkpoint_dcp.py; launched by test_distributed.launch as ``python mesh_worker.py SCENARIO OUT_DIR``).
 
 Scenarios: ``mesh`` (4 ranks: pp=2 x dp_shard=2 over FSDP2, a user's loop with AdamW and clipping, the collectives of
-a step, a DCP checkpoint, the stale-copy trap, bad input refused), ``pp`` (2 ranks: the bytes a rank holds after
+a step, a DCP checkpoint, the stale-copy trap, bad input refused; interleaved and zbv over FSDP2; the checkpoint
+loaded at pp=4), ``hsdp`` (8 ranks: dp_replicate=2 x dp_shard=2 x pp=2, the same loop), ``pp`` (2 ranks: the bytes a rank holds after
 compile, for a model on the CPU and on meta, both routes; non-persistent buffers built on meta; the DCP checkpoint of
 ``mesh`` loaded at pp=2, 2 more steps; a LlamaForCausalLM built on meta loading a sharded safetensors checkpoint per
 stage, the peak bytes while loading, a checkpoint of other names refused). Each rank writes ``rank<r>.pt``."""
@@ -29,6 +30,7 @@ from zoo import GPT  # noqa: E402
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 CHUNKS, MAX_NORM, LR = 4, 0.05, 1e-2
 NEW_LENGTHS = (12, 10)  # mesh_scenario's fourth step: each data-parallel rank's sequence length
+HSDP_ROWS = 16  # hsdp_scenario's batch: 4 data-parallel pipelines of 4 rows, a row a micro-batch
 
 
 def gpt64(**kw) -> GPT:
@@ -55,11 +57,11 @@ def whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(pipe, opt, steps, share: int, shares: int, counts: list | None = None):
+def train(pipe, opt, steps, share: int, shares: int, counts: list | None = None, rows: int = 8):
     """The user's loop: step, clip, AdamW; each step's loss (None off the last stage) and total norm."""
     losses, norms = [], []
     for step in steps:
-        ids, target = (t.chunk(shares)[share] for t in batch(step))
+        ids, target = (t.chunk(shares)[share] for t in batch(step, rows))
         if counts is not None:
             counts.append(collections.Counter())
             COUNTED[0] = counts[-1]
@@ -135,6 +137,18 @@ def mesh_scenario(rank: int, out: str) -> dict:
     results["after_new_shape"] = {n: whole(p).detach().clone() for n, p in pipe.named_parameters()}
     bad["user fsdp on autopipe's"] = refused(lambda: fully_shard(pipe, mesh=mesh["dp_shard"]))  # torch's refusal
     pipe.close()
+    for schedule, virtual_stages in (("interleaved", 2), ("zbv", 1)):  # two stages a rank, one FSDP2 group
+        pipe = autopipe.compile(gpt64(), chunks=CHUNKS, mesh=mesh, schedule=schedule, virtual_stages=virtual_stages,
+                                example_inputs=(ids.chunk(2)[0],))
+        opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        losses, norms = train(pipe, opt, range(3), results["dp"], 2)
+        results[schedule] = {"losses": losses, "norms": norms, "stages": sorted(pipe.stage_indices),
+                             "local_elements": sum(p.to_local().numel() for p in pipe.parameters()),
+                             "full_elements": sum(p.numel() for p in pipe.parameters()),
+                             "after3": {n: whole(p).detach().clone() for n, p in pipe.named_parameters()}}
+        pipe.close()
+    pipe = autopipe.compile(gpt64(), chunks=CHUNKS, schedule="1f1b", example_inputs=(ids,))  # pp=4, no FSDP2
+    results["pp4"] = resumed(pipe, os.path.join(out, "ckpt"))
     plain = autopipe.compile(gpt64(), chunks=CHUNKS, example_inputs=(ids,))  # pp=4, no FSDP2 of autopipe's
     fully_shard(plain.stages[0], mesh=init_device_mesh("cpu", (4,)))
     bad["user fsdp on top"] = refused(lambda: plain.step(*batch(0), loss_fn=lm_loss))
@@ -249,18 +263,25 @@ def resident_scenario(results: dict) -> None:
         pipe.close()
 
 
+def resumed(pipe, checkpoint: str) -> dict:
+    """The checkpoint mesh saved at pp=2 x dp_shard=2 (after 3 steps) loaded into ``pipe``, another layout without
+    FSDP2: the loaded parameters, 2 more steps' losses and norms, the parameters after them."""
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    msd, osd = get_state_dict(pipe, opt, options=FLAT)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoint)
+    set_state_dict(pipe, opt, model_state_dict=msd, optim_state_dict=osd, options=FLAT)
+    results = {"loaded": {n: p.detach().clone() for n, p in pipe.named_parameters()}}
+    results["resumed_losses"], results["resumed_norms"] = train(pipe, opt, range(3, 5), 0, 1)
+    results["after5"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    pipe.close()
+    return results
+
+
 def resume_scenario(results: dict, out: str) -> None:
     """The checkpoint mesh saved at pp=2 x dp_shard=2, loaded at pp=2 (no FSDP2): 2 more steps."""
     ids, _ = batch(0)
     pipe = autopipe.compile(gpt64(), chunks=CHUNKS, schedule="1f1b", example_inputs=(ids,))
-    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    msd, osd = get_state_dict(pipe, opt, options=FLAT)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))
-    set_state_dict(pipe, opt, model_state_dict=msd, optim_state_dict=osd, options=FLAT)
-    results["loaded"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    results["resumed_losses"], results["resumed_norms"] = train(pipe, opt, range(3, 5), 0, 1)
-    results["after5"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    pipe.close()
+    results.update(resumed(pipe, os.path.join(out, "ckpt")))
 
 
 def pretrained_scenario(results: dict, out: str) -> None:
@@ -314,6 +335,25 @@ def sample(peak: list, done: threading.Event) -> None:
         time.sleep(0.0005)
 
 
+def hsdp_scenario(rank: int, out: str) -> dict:
+    """HSDP on a pipeline: dp_replicate=2 x dp_shard=2 x pp (the world / 4), a user's loop of 3 steps with clipping,
+    each of the 4 data-parallel pipelines on its quarter of a 16-row batch."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+    dp = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
+    ids, _ = batch(0, HSDP_ROWS)
+    pipe = autopipe.compile(gpt64(), chunks=CHUNKS, mesh=mesh, schedule="1f1b", example_inputs=(ids.chunk(4)[dp],))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    results = {"stage": mesh["pp"].get_local_rank(), "dp": dp,
+               "local_elements": sum(p.to_local().numel() for p in pipe.parameters()),
+               "full_elements": sum(p.numel() for p in pipe.parameters()),
+               "placements": sorted({str(p.placements) for p in pipe.parameters()})}
+    results["losses"], results["norms"] = train(pipe, opt, range(3), dp, 4, rows=HSDP_ROWS)
+    results["after3"] = {n: whole(p).detach().clone() for n, p in pipe.named_parameters()}
+    pipe.close()
+    return results
+
+
 def pp_scenario(rank: int, out: str) -> dict:
     results, saved = {}, os.environ.get("CHECKPOINTS", out)  # where mesh saved its checkpoint and the Llama's shards
     resident_scenario(results)
@@ -328,7 +368,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        results = {"mesh": mesh_scenario, "pp": pp_scenario}[scenario](rank, out)
+        results = {"mesh": mesh_scenario, "pp": pp_scenario, "hsdp": hsdp_scenario}[scenario](rank, out)
     except BaseException:
         traceback.print_exc()
         raise

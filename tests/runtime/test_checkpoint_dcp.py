@@ -1,6 +1,6 @@
 """Checkpoints under torchrun (runtime/checkpoint.py): DCP's ``get_state_dict`` / ``set_state_dict`` with ``dcp.save``
 / ``dcp.load`` on the pipeline and its optimizer under the model's own names, a checkpoint saved at pp=2 x dp_shard=2
-loaded at pp=2 and into the plain model in one process, training then going on exactly; the model itself cannot be
+loaded at pp=2, at pp=4 and into the plain model in one process, training then going on exactly; the model itself cannot be
 saved as a stale copy; a LlamaForCausalLM built on meta loads its sharded safetensors checkpoint per stage. The runs
 are conftest.py's ``mesh_run`` (saves) and ``pp_run`` (loads)."""
 import os
@@ -52,15 +52,29 @@ def test_the_checkpoint_holds_the_models_names_flat(mesh_run):
     assert set().union(*(r["model_keys"] for r in mesh_run)) == plain_keys
 
 
-def test_a_checkpoint_saved_at_2x2_resumes_at_pp2_as_the_uninterrupted_run(pp_run):
+def assert_resumed_as_the_uninterrupted_run(ranks: list[dict]) -> None:
+    """Each rank's parameters as loaded and after 2 more steps are the plain model's after 3 and 5 steps, every
+    parameter on some rank; the norms and the last rank's losses are the plain model's."""
     params, losses, norms = plain_training(5)
-    for r in pp_run:
+    seen = set()
+    for r in ranks:
         for name, p in r["loaded"].items():
             torch.testing.assert_close(p, params[2][name], rtol=0, atol=1e-10, msg=name)
         for name, p in r["after5"].items():
             torch.testing.assert_close(p, params[4][name], rtol=0, atol=1e-10, msg=name)
+            seen.add(name)
         assert r["resumed_norms"] == pytest.approx(norms[3:], rel=1e-12)
-    assert pp_run[1]["resumed_losses"] == pytest.approx(losses[3:], rel=1e-12)
+    assert seen == set(params[4])
+    assert ranks[-1]["resumed_losses"] == pytest.approx(losses[3:], rel=1e-12)
+
+
+def test_a_checkpoint_saved_at_2x2_resumes_at_pp2_as_the_uninterrupted_run(pp_run):
+    assert_resumed_as_the_uninterrupted_run(pp_run)
+
+
+def test_a_checkpoint_saved_at_2x2_resumes_at_pp4_as_the_uninterrupted_run(mesh_run):
+    """The same 4 ranks that saved it at pp=2 x dp_shard=2, as one pipeline of 4 stages without FSDP2."""
+    assert_resumed_as_the_uninterrupted_run([r["pp4"] for r in mesh_run])
 
 
 def test_a_checkpoint_saved_at_2x2_loads_into_the_plain_model_in_one_process(mesh_run, torchrun_dir):

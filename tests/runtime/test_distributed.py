@@ -53,21 +53,27 @@ def _rank_processes():
     import multiprocessing.forkserver
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # the server imports what this process would: its sys.path (a checkout's own autopipe before the installed one)
+    server_env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    saved = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     return ctx
 
 
-def run_rank(worker: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """A forked rank: its environment, its log file as stdout and stderr, ``worker`` run as ``__main__``."""
+def run_rank(worker: str, argv: list[str], env: dict[str, str], log_path: str, autopipe_file: str) -> None:
+    """A forked rank: its environment, its log file as stdout and stderr, ``worker`` run as ``__main__``; the
+    autopipe it runs is the launcher's (``autopipe_file``)."""
     import runpy
+    if autopipe.__file__ != autopipe_file:
+        raise RuntimeError(f"the rank server imported {autopipe.__file__}, the tests run {autopipe_file}")
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
@@ -102,7 +108,7 @@ def launch(scenario, world, out_dir, timeout=120, stop_after=None, worker=None, 
                  **{k: str(v) for k, v in env.items()})
         path = os.path.join(out_dir, f"rank{rank}.log")
         logs.append(open(path, "w+"))  # a file, not a pipe: no rank blocks on it
-        p = ctx.Process(target=run_rank, args=(worker or WORKER, [scenario, str(out_dir)], e, path))
+        p = ctx.Process(target=run_rank, args=(worker or WORKER, [scenario, str(out_dir)], e, path, autopipe.__file__))
         p.start()
         procs.append(p)
     start = time.monotonic()

@@ -7,16 +7,16 @@ once a step; bad meshes and FSDP2 on top of autopipe's refused by name. The run 
 import pytest
 import torch
 
-from mesh_worker import LR, MAX_NORM, NEW_LENGTHS, batch, gpt64, lm_loss
+from mesh_worker import HSDP_ROWS, LR, MAX_NORM, NEW_LENGTHS, batch, gpt64, lm_loss
 
 
-def plain_training(steps: int):
+def plain_training(steps: int, rows: int = 8):
     """The plain model trained in one process on every step's whole batch: parameters after each step, losses, norms."""
     model = gpt64()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     params, losses, norms = [], [], []
     for step in range(steps):
-        ids, target = batch(step)
+        ids, target = batch(step, rows)
         loss = lm_loss(model(ids), target)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -41,6 +41,41 @@ def test_pp2_x_dp_shard2_trains_as_the_plain_model(mesh_run):
     # each data-parallel rank of the last stage reports its half's loss: their mean is the plain model's
     halves = [r["losses"] for r in mesh_run if r["stage"] == 1]
     assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(losses, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,stages", [("interleaved", [[0, 2], [1, 3]]), ("zbv", [[0, 3], [1, 2]])])
+def test_two_stages_a_rank_under_fsdp2_train_as_the_plain_model(mesh_run, schedule, stages):
+    """Interleaved and zbv (its backward split in two) at pp=2 x dp_shard=2: a rank's two stages are one FSDP2 group;
+    the tied embedding and head on one rank (zbv) or two (interleaved); 3 steps, clipping active."""
+    params, losses, norms = plain_training(3)
+    for r in mesh_run:
+        run = r[schedule]
+        assert run["stages"] == stages[r["stage"]]
+        assert run["local_elements"] * 2 == run["full_elements"]
+        assert run["norms"] == pytest.approx(norms, rel=1e-12)
+        for name, p in run["after3"].items():
+            torch.testing.assert_close(p, params[-1][name], rtol=0, atol=1e-10, msg=f"{schedule}: {name}")
+    halves = [r[schedule]["losses"] for r in mesh_run if r["stage"] == (1 if schedule == "interleaved" else 0)]
+    assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(losses, rel=1e-12)
+
+
+def test_hsdp_dp_replicate2_x_dp_shard2_on_a_pipeline_trains_as_the_plain_model(hsdp_run):
+    """HSDP: FSDP2 over (dp_replicate, dp_shard), the parameters sharded over dp_shard and replicated over
+    dp_replicate, 4 data-parallel pipelines each on a quarter of the batch; 3 steps, clipping active."""
+    params, losses, norms = plain_training(3, HSDP_ROWS)
+    assert sorted(r["dp"] for r in hsdp_run if r["stage"] == 0) == [0, 1, 2, 3]
+    seen = set()
+    for r in hsdp_run:
+        assert r["placements"] == ["(Replicate(), Shard(dim=0))"]
+        assert r["local_elements"] * 2 == r["full_elements"]
+        assert r["norms"] == pytest.approx(norms, rel=1e-12)
+        for name, p in r["after3"].items():
+            torch.testing.assert_close(p, params[-1][name], rtol=0, atol=1e-10, msg=name)
+            seen.add(name)
+    assert seen == set(params[-1])
+    last = max(r["stage"] for r in hsdp_run)
+    quarters = [r["losses"] for r in sorted(hsdp_run, key=lambda r: r["dp"]) if r["stage"] == last]
+    assert [sum(q) / 4 for q in zip(*quarters)] == pytest.approx(losses, rel=1e-12)
 
 
 def test_between_steps_a_rank_holds_half_its_stage_and_a_step_gathers_once(mesh_run):
