@@ -9,23 +9,28 @@ import torch
 
 from autopipe.cuda_graphs_option import check_option
 from autopipe.ir.checkpoint import CHECKPOINT_MODES
+from autopipe.ir.plan import Plan
 from autopipe.ir.schedule import Schedule, device_of_stage, stages_per_device
 from autopipe.runtime.streams import StageStream
 
-BALANCE_MODES = ("flops", "train_flops", "params", "time")
+BALANCE_MODES = ("flops", "train_flops", "params", "time", "train_time")
 
 
 def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+# Note [a plan's cut given as the balance]: ``balance=plan`` keeps that plan's cut (partition's ``cut_of``: each node
+# in the stage it had there). A cut measured in one process (balance="train_time" runs the whole model on real
+# weights) can so be given to torchrun's ranks, which trace on meta and must agree on one cut: measured on each rank,
+# their timings, and so their cuts, would differ.
 @dataclass(frozen=True)
 class Options:
     """What every entry point fills once and every pass reads; checked when made."""
 
     devices: tuple[torch.device, ...]          # one per stage: K devices x v virtual stages, round robin (zbv: a V)
     chunks: int = 8
-    balance: str | tuple[float, ...] = "flops"
+    balance: str | tuple[float, ...] | Plan = "flops"  # a Plan: its cut (Note [a plan's cut given as the balance])
     leaf_modules: tuple[type | str, ...] = ()
     tolerance: float = 0.03
     memory_cap: float | None = None
@@ -47,8 +52,11 @@ class Options:
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES} or a list of per-stage weights, got "
-                             f"{self.balance!r}")
+            raise ValueError(f"balance must be one of {BALANCE_MODES}, a list of per-stage weights or a Plan whose cut "
+                             f"to keep, got {self.balance!r}")
+        if isinstance(self.balance, Plan) and self.balance.n_stages != len(self.devices):
+            raise ValueError(f"balance is a plan of {self.balance.n_stages} stages but {len(self.devices)} are "
+                             f"asked for: plan with as many stages (devices, schedule and virtual_stages alike)")
         if not (isinstance(self.crossing_price, (int, float)) and 0 <= self.crossing_price < float("inf")):
             raise ValueError(f"crossing_price must be a finite number >= 0 (the balance's units per byte crossing a "
                              f"cut), got {self.crossing_price!r}")
@@ -57,7 +65,8 @@ class Options:
         Schedule.build(self.schedule, 1, 1, self.virtual_stages)  # names a bad schedule or virtual_stages
         check_option(self.cuda_graphs, self.schedule)
         object.__setattr__(self, "virtual_stages", stages_per_device(self.schedule, self.virtual_stages))
-        object.__setattr__(self, "balance", self.balance if isinstance(self.balance, str) else tuple(self.balance))
+        if not isinstance(self.balance, (str, Plan)):
+            object.__setattr__(self, "balance", tuple(self.balance))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
 
     @classmethod

@@ -3,6 +3,7 @@ entry point calls with one :class:`~autopipe.options.Options`; a model that spec
 once per micro-batch size."""
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,7 @@ from autopipe.passes.cost import cost
 from autopipe.passes.diagnostics import failures_named, listed
 from autopipe.passes.memory_model import predict_memory
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
+from autopipe.passes.node_times import measure_node_times
 from autopipe.passes.partition import partition
 from autopipe.passes.target_counts import count_program
 from autopipe.passes.trace import BatchSpecialised, trace
@@ -57,10 +59,15 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                                       if stream is not None]
         if specialised is not None:
             notes.append(f"traced at micro-batch size {static_batch}: {str(specialised).splitlines()[0]}")
+        # Note [a plan's cut given as the balance]
+        given = options.balance if isinstance(options.balance, Plan) else None
         with progress.run("partition", model) as report:
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
-                             balance=options.balance, tolerance=options.tolerance, memory_cap=options.memory_cap,
-                             analysis=analysis, cut_of=cut_of, crossing_price=options.crossing_price)
+                             balance="flops" if given is not None else options.balance, tolerance=options.tolerance,
+                             memory_cap=options.memory_cap, analysis=analysis, cut_of=cut_of or given,
+                             crossing_price=options.crossing_price)
+            if given is not None:
+                plan.balance = f"the given plan's cut ({given.balance})"
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
@@ -97,6 +104,23 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
 
+# Note [a step's seconds per node]: balance="train_time" weighs each node by what a stage spends on it in a training
+# step, measured at one micro-batch (passes/node_times.py): its forward, its backward, and its forward again where the
+# checkpoint mode recomputes (every stage is counted as recomputing under "except_last": the cut is not known yet, so
+# the last stage's saving is not). CPU workers share the cores: each node is timed on cores / K intra-op threads while
+# K - 1 peers run the graph, as the stages' workers do. The loss, which ``pipe.step`` runs on the last stage, is not
+# counted: compile does not know it.
+def training_seconds(traced, inputs: Sequence[torch.Tensor], options: Options) -> dict[str, float]:
+    """Per call node, the measured seconds of one micro-batch's training step (Note [a step's seconds per node])."""
+    workers = max(1, len(options.devices) // options.virtual_stages)
+    on_cpu = all(d.type == "cpu" for d in options.devices)
+    threads = max(1, (os.cpu_count() or 1) // workers) if on_cpu else None
+    times = measure_node_times(traced.graph_module, inputs, repeats=3, threads=threads,
+                               peers=workers - 1 if on_cpu else 0)
+    again = 0.0 if options.checkpoint == "never" else 1.0
+    return {name: (1.0 + again) * f + times.backward.get(name, 0.0) for name, f in times.forward.items()}
+
+
 # Note [example inputs on the model's device]: a DataLoader gives CPU batches to a model on a GPU. Stage 0 moves
 # them itself, but the passes would trace and time a model with mixed devices: the chain takes the example
 # inputs to the model's device first.
@@ -119,16 +143,20 @@ def trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch: 
             analysis = analyse_micro_batches(traced)
         report["detail"] = f"{traced.route}, {len(traced.graph_module.graph.nodes)} graph nodes"
     measure = None
-    if options.balance == "time":
+    if options.balance in ("time", "train_time"):
         measure = traced.flat_inputs(args, kwargs)
         if any(t.device.type == "meta" for t in measure) or any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("balance='time' runs the model to time it; it needs real weights and inputs, not meta")
+            raise ValueError(f"balance={options.balance!r} runs the model to time it; it needs real weights and "
+                             f"inputs, not meta (under torchrun: plan in one process and give the plan as balance=, "
+                             f"docs/torchrun.md)")
         # a stage runs one micro-batch at a time: time the nodes at that size, where fixed per-op costs weigh as in the
         # pipeline
         rows = static_batch or micro_batch_sizes(traced.batch_size, options.chunks)[0]
         batch = traced.batch_size if static_batch is None else measure[0].shape[0]
         measure = [t[:rows] if t.dim() > 0 and t.shape[0] == batch else t for t in measure]
     with progress.run("cost", model) as report:
-        costed = cost(traced, measure_inputs=measure)
+        costed = cost(traced, measure_inputs=measure if options.balance == "time" else None)
+        if options.balance == "train_time":
+            costed.train_seconds = training_seconds(traced, measure, options)
         report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
     return traced, analysis, costed

@@ -7,7 +7,10 @@ GPT-style LM with a modern vocabulary-to-width ratio (a heavy output head), unde
 
 Rows, per schedule, all measured in one interleaved run (the order rotates every round):
 
-- autopipe: ``autopipe.compile(model, chunks=M, schedule=...)`` under torchrun's environment, its own cut;
+- autopipe: ``autopipe.compile(model, chunks=M, schedule=..., checkpoint="never")`` under torchrun's environment, its
+  own cut (``checkpoint="never"``: every activation kept, as pipelining keeps them; autopipe's default recomputes);
+- autopipe, train_time: its cut balanced on each node's measured seconds of a training step (``balance="train_time"``),
+  planned once on rank 0 and given to every rank as ``balance=plan``;
 - autopipe, even split: the same runtime given the even split's shares of the work (``balance=``): separates the cut
   from the runtime;
 - pipelining, even split: torch.distributed.pipelining on torchtitan's default split (layers split evenly, the
@@ -167,10 +170,14 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
         for schedule in args.schedules:
             best, searched = best_layer_split(args, rank, k, schedule, ids, target) if k == 2 else (even, {})
             models, steps, pipes = {}, {}, {}
-            for key, balance in (("autopipe", "flops"), ("autopipe, even split", shares(even_costs))):
+            measured = [autopipe.plan(build(args), (ids,), devices=k, chunks=args.chunks, schedule=schedule,
+                                      checkpoint="never", balance="train_time") if rank == 0 else None]
+            dist.broadcast_object_list(measured, src=0)  # one measured cut for every rank
+            for key, balance in (("autopipe", "flops"), ("autopipe, train_time", measured[0]),
+                                 ("autopipe, even split", shares(even_costs))):
                 models[key] = model = build(args)
                 pipes[key] = autopipe.compile(model, chunks=args.chunks, schedule=schedule, balance=balance,
-                                              example_inputs=(ids,), timeout=600)
+                                              checkpoint="never", example_inputs=(ids,), timeout=600)
                 steps[key] = lambda pipe=pipes[key]: pipe.step(ids, target=target, loss_fn=lm_loss)
             for key, bounds in (("pipelining, even split", even), ("pipelining, best layer split", best)):
                 models[key] = model = build(args)
@@ -255,15 +262,15 @@ def main() -> None:
             split = {"pipelining, even split": ranks[0]["even"], "pipelining, best layer split": best}.get(key)
             rows.append([schedule, key + (f" {split}" if split else ""), f"{tokens / statistics.median(ts):,.0f}",
                          C.fmt_x(ratio[key]), bubble, f"{predicted[key]:.3f}"])
-        auto = times["autopipe"]
         best_times = times["pipelining, best layer split"]
-        s = statistics.median(b / a for a, b in zip(auto, best_times))
-        summaries.append(f"cut: {model_name} K={k} {schedule}: auto/even {ratio['autopipe']:.2f}x, "
-                         f"auto/best-layer {s:.2f}x")
+        for key, label in (("autopipe", ""), ("autopipe, train_time", ' balance="train_time"')):
+            s = statistics.median(b / a for a, b in zip(times[key], best_times))
+            summaries.append(f"cut: {model_name} K={k} {schedule}{label}: auto/even {ratio[key]:.2f}x, "
+                             f"auto/best-layer {s:.2f}x")
     head = C.header("cut", [
         f"model: GPT(vocab={args.vocab}, d={args.d}, heads={args.heads}, blocks={args.blocks}, untied head), "
         f"batch {args.batch} x seq {args.seq} ({tokens} tokens a step), M={args.chunks}, float32, cross-entropy",
-        f"K={k} gloo processes x 1 intra-op thread; even split: torchtitan's default (embedding and head a layer "
+        f"K={k} gloo processes x 1 intra-op thread, no activation checkpointing in any row; even split: torchtitan's default (embedding and head a layer "
         f"each): layer bounds {ranks[0]['even']}; best layer split: the fastest of every boundary, searched first "
         f"(median of {args.search} steps each)",
         f"tokens/s: median of {args.steps} rounds after 1 warm-up, rows interleaved; vs even: median of per-round "

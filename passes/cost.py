@@ -39,6 +39,9 @@ class CostedGraph:
     traced: TracedModel
     costs: dict[str, NodeCost]  # by node name, for every call_* node
     tensor_bytes: dict[str, int]  # by qualified name: every parameter and buffer used
+    # balance="train_time": per node, the measured seconds of a training step's micro-batch (forward, backward, and
+    # the forward again where the checkpoint mode recomputes it), filled by the pass chain from passes/node_times.py
+    train_seconds: dict[str, float] | None = None
 
     @property
     def total_flops(self) -> int:

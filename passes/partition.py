@@ -36,7 +36,8 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     in one stage with the reads that must see it. ``cut_of``: a plan of the same model traced at other input shapes:
     its cut is kept where this graph has the same nodes (each node in the stage it had there), else solved anew.
     ``balance``: "flops" (forward FLOPs), "train_flops" (forward and backward: CostedGraph.training_flops), "params",
-    "time" (measured forward seconds) or per-stage shares.
+    "time" (measured forward seconds), "train_time" (measured seconds of a training step: ``costed.train_seconds``)
+    or per-stage shares.
     ``crossing_price``: what a byte live across a cut costs each of its two stages, in the balance's units
     (passes/step_time.py's ``crossing_price`` from a link); 0: bytes only break ties within the tolerance."""
     gm = costed.traced.graph_module
@@ -219,6 +220,8 @@ def _weights(costed: CostedGraph, nodes: list, balance) -> list[float]:
         return weights
     if balance == "time":  # measured by compile, which refuses a meta model first
         return [costed.costs[n.name].seconds for n in nodes]
+    if balance == "train_time":  # measured forward and backward seconds (the pass chain's)
+        return [costed.train_seconds[n.name] for n in nodes]
     if balance == "train_flops":  # forward and backward: what the step-time model counts on FLOPs
         train = costed.training_flops()
         return [train[n.name] for n in nodes]

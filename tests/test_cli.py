@@ -143,16 +143,16 @@ def test_plan_gpt_on_meta_writes_valid_stage_files(factory_file, tmp_path):
         assert str(f) in r.stdout
 
 
-def test_plan_cnn_and_balance_by_params(factory_file):
-    r = autopipe("plan", f"{factory_file}:cnn", "--input-shape", "8,3,32,32", "--devices", "2", "--chunks", "4",
+def test_plan_cnn_and_balance_by_params(factory_file, capsys):
+    r = in_process(capsys, "plan", f"{factory_file}:cnn", "--input-shape", "8,3,32,32", "--devices", "2", "--chunks", "4",
                  "--balance", "params")
     assert r.returncode == 0, r.stderr
     assert "Plan: 2 stages x 4 micro-batches, balanced by params" in r.stdout
     assert "codegen" not in r.stderr  # no --out: nothing generated, nothing written
 
 
-def test_plan_cnn_for_real_balanced_by_time(factory_file, tmp_path):
-    r = autopipe("plan", f"{factory_file}:cnn", "--input-shape", "8,3,16,16", "--devices", "2", "--chunks", "2",
+def test_plan_cnn_for_real_balanced_by_time(factory_file, tmp_path, capsys):
+    r = in_process(capsys, "plan", f"{factory_file}:cnn", "--input-shape", "8,3,16,16", "--devices", "2", "--chunks", "2",
                  "--no-meta", "--balance", "time", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "balanced by time" in r.stdout and "on cpu" in r.stderr
@@ -242,15 +242,15 @@ def test_verify_a_gpt_passes_with_a_per_parameter_table(factory_file):
     assert "on cpu" in r.stderr and "verified in" in r.stderr
 
 
-def test_verify_a_cnn_in_eval_mode_with_every_micro_batch_rematerialised(factory_file):
-    r = autopipe("verify", f"{factory_file}:cnn", "--input-shape", "8,3,8,8", "--mode", "eval",
+def test_verify_a_cnn_in_eval_mode_with_every_micro_batch_rematerialised(factory_file, capsys):
+    r = in_process(capsys, "verify", f"{factory_file}:cnn", "--input-shape", "8,3,8,8", "--mode", "eval",
                  "--checkpoint", "always", "--devices", "cpu,cpu,cpu", "--chunks", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "in eval mode" in r.stdout and "3 stages" in r.stdout and "checkpoint='always'" in r.stdout
 
 
-def test_verify_fails_with_exit_code_1_and_names_the_parameter(factory_file):
-    r = autopipe("verify", f"{factory_file}:annealed", "--input-shape", "8,8")
+def test_verify_fails_with_exit_code_1_and_names_the_parameter(factory_file, capsys):
+    r = in_process(capsys, "verify", f"{factory_file}:annealed", "--input-shape", "8,8")
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stdout.rstrip().splitlines()[-1]
     assert last.startswith("FAIL: structure") and "b.weight" in last
@@ -271,8 +271,8 @@ def test_verify_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, 
     assert r.stdout == ""
 
 
-def test_verify_help_explains_itself():
-    r = autopipe("verify", "--help")
+def test_verify_help_explains_itself(capsys):
+    r = in_process(capsys, "verify", "--help")
     assert r.returncode == 0
     for flag in ("--input-shape", "--devices", "--chunks", "--checkpoint", "--mode", "--int-high", "exit status"):
         assert flag in r.stdout

@@ -1,6 +1,8 @@
 """End to end: autopipe.compile gives the plain model's outputs and gradients, on CPU workers."""
 import copy
+import pickle
 import itertools
+import time
 
 import pytest
 import torch
@@ -336,3 +338,67 @@ def test_crossing_price_and_train_flops_reach_the_cut_and_train_as_the_plain_mod
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
     with pytest.raises(ValueError, match="crossing_price must be a finite number"):
         autopipe.plan(model, (x,), devices=2, crossing_price=-1.0)
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity whose backward sleeps: a node far dearer to train than its forward or FLOPs say."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.03)
+        return grad
+
+
+class SlowToTrainFirst(torch.nn.Module):
+    def __init__(self, d=16, blocks=6):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(blocks))
+
+    def forward(self, x):
+        x = SlowBackward.apply(self.blocks[0](x))
+        x = SlowBackward.apply(self.blocks[1](x))
+        for block in self.blocks[2:]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_train_time_balances_each_nodes_measured_step_and_trains_as_the_plain_model():
+    """``balance="train_time"``: each node weighs its measured forward and backward; the first two of six equal blocks
+    each have a backward that sleeps 30 ms, so the cut falls between them (FLOPs and forward times spread the blocks
+    3 | 3). The pipeline is the plain model in float64; a model on meta is refused, naming what to do under
+    torchrun."""
+    torch.manual_seed(0)
+    model, x = SlowToTrainFirst().double(), torch.randn(8, 16, dtype=torch.float64)
+    by_flops = autopipe.plan(model, (x,), devices=2, chunks=2)
+    assert by_flops.stages[0].params[-1].startswith("blocks.2.")
+    pipe = autopipe.compile(model, devices=2, chunks=2, balance="train_time", example_inputs=(x,))
+    assert pipe.plan.balance == "train_time"
+    first = set(pipe.plan.stages[0].params)
+    assert {"blocks.0.weight"} <= first <= {f"blocks.{b}.{w}" for b in (0, 1) for w in ("weight", "bias")}, pipe.plan
+    plain = copy.deepcopy(model)
+    pipe(x).sin().sum().backward()
+    plain(x).sin().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    with torch.device("meta"):
+        on_meta = SlowToTrainFirst()
+    with pytest.raises(ValueError, match="balance='train_time' runs the model to time it.*give the plan as balance="):
+        autopipe.plan(on_meta, (torch.empty(8, 16, device="meta"),), devices=2, balance="train_time")
+
+
+def test_a_plan_given_as_the_balance_keeps_its_cut_through_pickle():
+    """``balance=plan``: the cut of a plan made elsewhere (pickled, as one process hands it to torchrun's ranks),
+    kept node for node; a plan of another number of stages is refused naming both."""
+    torch.manual_seed(0)
+    model, x = SlowToTrainFirst().double(), torch.randn(8, 16, dtype=torch.float64)
+    made = pickle.loads(pickle.dumps(autopipe.plan(model, (x,), devices=2, chunks=2, balance=[1, 5])))
+    pipe = autopipe.compile(model, devices=2, chunks=4, balance=made, example_inputs=(x,))
+    assert [s.params for s in pipe.plan.stages] == [s.params for s in made.stages]
+    assert [s.params for s in made.stages] != [s.params for s in autopipe.plan(model, (x,), devices=2).stages]
+    assert pipe.plan.balance.startswith("the given plan's cut (shares")
+    with pytest.raises(ValueError, match="balance is a plan of 2 stages but 3 are asked for"):
+        autopipe.plan(model, (x,), devices=3, balance=made)
