@@ -22,10 +22,10 @@ from autopipe.runtime.pipeline import Pipeline
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict[str, Any] | None = None,
          devices: int | Sequence[str | torch.device] | None = None, chunks: int | str = 8,
-         balance: str | Sequence[float] | Plan = "flops", leaf_modules: Iterable[type | str] = (), tolerance: float = 0.03,
-         memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe", virtual_stages: int = 1,
-         checkpoint: str = "except_last", optimizer: str | None = "adam", cuda_graphs: bool = False,
-         crossing_price: float = 0.0, verbose: bool = False) -> Plan:
+         balance: str | Sequence[float] | Plan = "flops", leaf_modules: Iterable[type | str] = (),
+         tolerance: float = 0.03, memory_cap: float | None = None, route: str = "auto", schedule: str = "gpipe",
+         virtual_stages: int = 1, checkpoint: str = "except_last", optimizer: str | None = "adam",
+         cuda_graphs: bool = False, crossing_price: float = 0.0, verbose: bool = False) -> Plan:
     """Plan only: trace, cost and partition, no runtime and no memory. Works for a model on meta.
 
     ``devices`` here only names stages: an int plans that many stages without checking they exist. The plan predicts
@@ -34,8 +34,8 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
     the alternatives in ``plan.choice``. ``crossing_price``: what a byte crossing a cut costs a stage, in the
     balance's units (passes/step_time.py: ``crossing_price(measure_link(), flops_per_second)``), so that the cut
     lands where the predicted step is fastest. ``balance="train_time"`` times each node's forward and backward on the
-    real model; ``balance=`` a plan keeps that plan's cut (Note [a plan's cut given as the balance]: how torchrun's
-    ranks get a measured cut). ``verbose=True``: each pass on stderr."""
+    real model; ``balance=`` a plan keeps that plan's cut, how torchrun's ranks get a measured cut
+    (Note [a plan's cut given as the balance]). ``verbose=True``: each pass on stderr."""
     auto = [k for k, v in (("chunks", chunks), ("schedule", schedule), ("checkpoint", checkpoint)) if v == "auto"]
     stage_devices = plan_devices(devices)
     options = Options.make(stage_devices, streams=device_streams(devices), chunks=1 if "chunks" in auto else chunks,
