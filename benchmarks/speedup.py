@@ -56,7 +56,7 @@ def _models(quick: bool, kmax: int):
 def main(argv=None) -> int:
     p = C.parser(__doc__)
     p.add_argument("--workers", type=str, default=None, help="comma-separated K values (default: 1,2,4,8 up to the usable cores)")
-    p.add_argument("--chunks", type=str, default="1,4,8,32", help="comma-separated M values")
+    p.add_argument("--chunks", type=str, default=None, help="comma-separated M values (default 1,4,8,32; --quick 1,8)")
     p.add_argument("--no-extra-rows", action="store_true",
                    help="skip the two extra rows at the largest K and M (checkpoint except_last; balance time)")
     p.add_argument("--models", type=str, default="transformer,cnn")
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     Ks = [int(k) for k in args.workers.split(",")] if args.workers else [k for k in (1, 2, 4, 8) if k <= max(C.cores(), 2)]
     if 1 not in Ks:
         Ks = [1] + Ks
-    Ms = [int(m) for m in args.chunks.split(",")]
+    Ms = [int(m) for m in (args.chunks or ("1,8" if quick else "1,4,8,32")).split(",")]
     kmax, mmax = max(Ks), max(Ms)
     repeats = args.repeats or (1 if quick else 5)
     warmup = args.warmup if args.warmup is not None else 1
