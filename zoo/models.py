@@ -407,7 +407,7 @@ class RoutedExperts(nn.Module):
     its output goes back where the rows came from. ``how``: ``x[mask]`` and ``out[mask] = y`` (top-1, which fx cannot trace); ``nonzero``
     and ``index_add`` (top-2); transformers' eager experts (``torch.where``, ``h[None, idx].reshape(-1, d)``, ``index_add_``)."""
 
-    def __init__(self, how: str, d=16, experts=4):
+    def __init__(self, how: str, d=16, experts=3):
         super().__init__()
         self.how, self.gate = how, nn.Linear(d, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts))
