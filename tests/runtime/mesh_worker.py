@@ -3,10 +3,11 @@ test_checkpoint_dcp.py; launched by test_distributed.launch as ``python mesh_wor
 
 Scenarios: ``mesh`` (4 ranks: pp=2 x dp_shard=2 over FSDP2, a user's loop with AdamW and clipping, the collectives of
 a step, a DCP checkpoint, the stale-copy trap, bad input refused; interleaved and zbv over FSDP2; the checkpoint
-loaded at pp=4), ``hsdp`` (8 ranks: dp_replicate=2 x dp_shard=2 x pp=2, the same loop), ``pp`` (2 ranks: the bytes a rank holds after
-compile, for a model on the CPU and on meta, both routes; non-persistent buffers built on meta; the DCP checkpoint of
-``mesh`` loaded at pp=2, 2 more steps; a LlamaForCausalLM built on meta loading a sharded safetensors checkpoint per
-stage, the peak bytes while loading, a checkpoint of other names refused). Each rank writes ``rank<r>.pt``."""
+loaded at pp=4), ``hsdp`` (8 ranks: dp_replicate=2 x dp_shard=2 x pp=2, the same loop), ``pp`` (2 ranks: the bytes a
+rank holds after compile, for a model on the CPU and on meta, both routes; non-persistent buffers built on meta; a plan
+broadcast from rank 0 as the cut; the DCP checkpoint of ``mesh`` loaded at pp=2, 2 more steps; a LlamaForCausalLM
+built on meta loading a sharded safetensors checkpoint per stage, the peak bytes while loading, a checkpoint of other
+names refused). Each rank writes ``rank<r>.pt``."""
 import collections
 import gc
 import os
@@ -354,9 +355,23 @@ def hsdp_scenario(rank: int, out: str) -> dict:
     return results
 
 
+def given_cut_scenario(results: dict) -> None:
+    """docs/torchrun.md's measured cut: a plan made on rank 0 (here by shares, which any rank would cut alike),
+    broadcast, and given to compile as ``balance=plan``."""
+    ids, _ = batch(0)
+    made = [autopipe.plan(gpt64(), (ids,), devices=2, chunks=CHUNKS, balance=[1, 3]) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    pipe = autopipe.compile(gpt64(), chunks=CHUNKS, balance=made[0], example_inputs=(ids,))
+    results["given_cut"] = {"stages": [list(s.params) for s in pipe.plan.stages], "balance": pipe.plan.balance,
+                            "made": [list(s.params) for s in made[0].stages],
+                            "default": [list(s.params) for s in autopipe.plan(gpt64(), (ids,), devices=2).stages]}
+    pipe.close()
+
+
 def pp_scenario(rank: int, out: str) -> dict:
     results, saved = {}, os.environ.get("CHECKPOINTS", out)  # where mesh saved its checkpoint and the Llama's shards
     resident_scenario(results)
+    given_cut_scenario(results)
     resume_scenario(results, saved)
     pretrained_scenario(results, saved)
     return results

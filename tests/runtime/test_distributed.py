@@ -365,3 +365,12 @@ def test_a_training_loop_with_clipping_and_a_new_length_a_step_is_the_plain_mode
     for rank, r in enumerate(ranks):
         here, there = ((8, 18), (8, 14)) if rank < world - 1 else ((8, 14), (8, 18))
         assert f"argument idx is of shape {here} (torch.int64) here but of shape {there}" in r["skewed"], r["skewed"]
+
+
+def test_a_plan_made_on_one_rank_and_broadcast_gives_every_rank_its_cut(pp_run):
+    """docs/torchrun.md's recipe for a measured cut: ``broadcast_object_list`` of rank 0's plan, then
+    ``compile(..., balance=plan)``: every rank plans that cut, not its own (mesh_worker.given_cut_scenario)."""
+    for r in pp_run:
+        got = r["given_cut"]
+        assert got["stages"] == got["made"] != got["default"]
+        assert got["balance"].startswith("the given plan's cut (shares")
