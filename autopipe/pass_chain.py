@@ -3,7 +3,6 @@ entry point calls with one :class:`~autopipe.options.Options`; a model that spec
 once per micro-batch size."""
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -20,7 +19,7 @@ from autopipe.passes.cost import cost
 from autopipe.passes.diagnostics import failures_named, listed
 from autopipe.passes.memory_model import predict_memory
 from autopipe.passes.microbatch_analysis import analyse_micro_batches
-from autopipe.passes.node_times import measure_node_times
+from autopipe.passes.node_times import train_seconds
 from autopipe.passes.partition import partition
 from autopipe.passes.target_counts import count_program
 from autopipe.passes.trace import BatchSpecialised, trace
@@ -104,23 +103,6 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     return Compiled(programs=programs, example_dtypes=[t.dtype for t in example])
 
 
-# Note [a step's seconds per node]: balance="train_time" weighs each node by what a stage spends on it in a training
-# step, measured at one micro-batch (passes/node_times.py): its forward, its backward, and its forward again where the
-# checkpoint mode recomputes (every stage is counted as recomputing under "except_last": the cut is not known yet, so
-# the last stage's saving is not). CPU workers share the cores: each node is timed on cores / K intra-op threads while
-# K - 1 peers run the graph, as the stages' workers do. The loss, which ``pipe.step`` runs on the last stage, is not
-# counted: compile does not know it.
-def training_seconds(traced, inputs: Sequence[torch.Tensor], options: Options) -> dict[str, float]:
-    """Per call node, the measured seconds of one micro-batch's training step (Note [a step's seconds per node])."""
-    workers = max(1, len(options.devices) // options.virtual_stages)
-    on_cpu = all(d.type == "cpu" for d in options.devices)
-    threads = max(1, (os.cpu_count() or 1) // workers) if on_cpu else None
-    times = measure_node_times(traced.graph_module, inputs, repeats=3, threads=threads,
-                               peers=workers - 1 if on_cpu else 0)
-    again = 0.0 if options.checkpoint == "never" else 1.0
-    return {name: (1.0 + again) * f + times.backward.get(name, 0.0) for name, f in times.forward.items()}
-
-
 # Note [example inputs on the model's device]: a DataLoader gives CPU batches to a model on a GPU. Stage 0 moves
 # them itself, but the passes would trace and time a model with mixed devices: the chain takes the example
 # inputs to the model's device first.
@@ -157,6 +139,9 @@ def trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch: 
     with progress.run("cost", model) as report:
         costed = cost(traced, measure_inputs=measure if options.balance == "time" else None)
         if options.balance == "train_time":
-            costed.train_seconds = training_seconds(traced, measure, options)
+            workers = max(1, len(options.devices) // options.virtual_stages)
+            costed.train_seconds = train_seconds(traced.graph_module, measure, workers,
+                                                 on_cpu=all(d.type == "cpu" for d in options.devices),
+                                                 recompute=options.checkpoint != "never")
         report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
     return traced, analysis, costed

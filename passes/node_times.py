@@ -1,8 +1,10 @@
 """Each node's measured seconds at one micro-batch: its forward, its whole backward, and its backward towards its inputs
-alone (B, with the parameters frozen); W is the difference. passes/step_time.py adds them up per stage."""
+alone (B, with the parameters frozen); W is the difference. passes/step_time.py adds them up per stage;
+``train_seconds`` gives the partitioner a step's seconds per node (balance="train_time")."""
 from __future__ import annotations
 
 import collections
+import os
 import statistics
 import threading
 import time
@@ -114,6 +116,22 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
     return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
                      input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
                      forward_scale=scale, peers=peers)
+
+
+# Note [a step's seconds per node]: balance="train_time" weighs each node by what a stage spends on it in a training
+# step, measured at one micro-batch: its forward, its backward, and its forward again where the checkpoint mode
+# recomputes (every stage is counted as recomputing under "except_last": the cut is not known yet, so the last
+# stage's saving is not). CPU workers share the cores: each node is timed on cores / K intra-op threads while K - 1
+# peers run the graph, as the stages' workers do. The loss, which ``pipe.step`` runs on the last stage, is not
+# counted: compile does not know it.
+def train_seconds(gm: fx.GraphModule, inputs: Sequence, workers: int, on_cpu: bool,
+                  recompute: bool) -> dict[str, float]:
+    """Per call node of ``gm``, the measured seconds of one micro-batch's training step on one of ``workers`` stage
+    workers (Note [a step's seconds per node])."""
+    threads = max(1, (os.cpu_count() or 1) // workers) if on_cpu else None
+    times = measure_node_times(gm, inputs, repeats=3, threads=threads, peers=workers - 1 if on_cpu else 0)
+    again = 1.0 if recompute else 0.0
+    return {name: (1.0 + again) * f + times.backward.get(name, 0.0) for name, f in times.forward.items()}
 
 
 def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Event) -> None:
