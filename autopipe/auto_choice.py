@@ -25,6 +25,9 @@ def choose(model, args, kwargs, options: Options, devices: Sequence[torch.device
     if options.memory_cap is None:
         raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks the fastest configuration that fits the "
                          f"memory: give memory_cap (bytes per device)")
+    if isinstance(options.balance, Plan):
+        raise ValueError(f"{', '.join(f'{k}=auto' for k in auto)} picks among cuts, and balance= a plan fixes one: "
+                         f"give {', '.join(auto)} yourself, or a balance mode")
     progress = Progress(options.verbose)
     args, kwargs = on_model_device(model, args, kwargs)  # as run_passes: a GPU model's CPU example batch
     with preserved_global_state(), torch.inference_mode(False), autocast_cache_off():

@@ -402,3 +402,5 @@ def test_a_plan_given_as_the_balance_keeps_its_cut_through_pickle():
     assert pipe.plan.balance.startswith("the given plan's cut (shares")
     with pytest.raises(ValueError, match="balance is a plan of 2 stages but 3 are asked for"):
         autopipe.plan(model, (x,), devices=3, balance=made)
+    with pytest.raises(ValueError, match="chunks=auto picks among cuts, and balance= a plan fixes one"):
+        autopipe.plan(model, (x,), devices=2, chunks="auto", memory_cap=1e9, balance=made)
