@@ -14,6 +14,7 @@ import torch
 
 import autopipe
 from autopipe.devices import plan_devices, resolve_devices
+from autopipe.options import BALANCE_MODES
 
 EXAMPLES = """\
 examples (verify runs the model for real, several times: give it a small config):
@@ -70,11 +71,11 @@ def parse_bytes(text: str) -> float:
 
 
 def parse_balance(text: str) -> str | list[float]:
-    if text in ("flops", "params", "time"):
+    if text in BALANCE_MODES:
         return text
     shares = [float(s) for s in text.split(",") if re.fullmatch(r"\s*\d*\.?\d+\s*", s)]
-    require(len(shares) == text.count(",") + 1 and min(shares) > 0, f"{text!r}: use flops, params, time, or per-stage "
-                                                                    f"shares such as 1,2,2,1")
+    require(len(shares) == text.count(",") + 1 and min(shares) > 0, f"{text!r}: use {', '.join(BALANCE_MODES)}, or "
+                                                                    f"per-stage shares such as 1,2,2,1")
     return shares
 
 
@@ -120,7 +121,8 @@ def run(ns: argparse.Namespace) -> int:
     require(ns.input_shape or kw_shapes, "give the example input's shape: --input-shape 8,3,224,224 (or --kwarg-shape "
                                          "name=8,128)")
     require(ns.chunks > 0, f"--chunks {ns.chunks}: at least 1")
-    require(ns.balance != "time" or not ns.meta, "--balance time runs the model to time it: add --no-meta")
+    require(ns.balance not in ("time", "train_time") or not ns.meta,
+            f"--balance {ns.balance} runs the model to time it: add --no-meta")
     factory, module = load_factory(ns.factory)
     leaf_modules = [obj if isinstance(obj := getattr(module, leaf, None), type) else leaf for leaf in ns.leaf_module]
     torch.manual_seed(ns.seed)
@@ -168,7 +170,7 @@ ARGUMENTS = {  # command: [(flag, add_argument keywords)], for "plan verify": bo
         ("--factory-arg", dict(MANY, type=named(parse_literal), metavar="KEY=VALUE", help="for the factory: 48, 'x'")),
         ("--devices", dict(type=parse_devices, metavar="N|DEV,DEV", help="stages (plan), CPU workers (verify)")),
         ("--chunks", dict(type=int, help="micro-batches per mini-batch (default %(default)s)")),
-        ("--balance", dict(type=parse_balance, default="flops", metavar="flops|params|time|W,W,...",
+        ("--balance", dict(type=parse_balance, default="flops", metavar="|".join(BALANCE_MODES) + "|W,W,...",
                            help="what the partitioner balances (default flops), or per-stage shares")),
         ("--leaf-module", dict(MANY, metavar="NAME", help="a class in the file, or a qualified name, kept whole")),
         ("--route", dict(choices=("auto", "fx", "export"), default="auto", help="tracer (default auto)")),

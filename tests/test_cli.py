@@ -151,11 +151,12 @@ def test_plan_cnn_and_balance_by_params(factory_file, capsys):
     assert "codegen" not in r.stderr  # no --out: nothing generated, nothing written
 
 
-def test_plan_cnn_for_real_balanced_by_time(factory_file, tmp_path, capsys):
+@pytest.mark.parametrize("balance", ["time", "train_time"])
+def test_plan_cnn_for_real_balanced_by_time(factory_file, tmp_path, capsys, balance):
     r = in_process(capsys, "plan", f"{factory_file}:cnn", "--input-shape", "8,3,16,16", "--devices", "2", "--chunks", "2",
-                 "--no-meta", "--balance", "time", "--out", str(tmp_path))
+                 "--no-meta", "--balance", balance, "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert "balanced by time" in r.stdout and "on cpu" in r.stderr
+    assert f"balanced by {balance}" in r.stdout and "on cpu" in r.stderr
     assert len(list(tmp_path.glob("stage_*.py"))) == 2
 
 
@@ -196,6 +197,9 @@ def test_help_explains_itself_with_an_example(capsys):
     (["plan", "{file}:gpt", "--kwarg-shape", "idx"], "expected NAME=VALUE"),
     (["plan", "{file}:gpt", "--input-shape", "4,16", "--chunks", "many"], "invalid int value"),
     (["plan", "{file}:gpt"], "give the example input's shape"),
+    (["plan", "{file}:gpt", "--input-shape", "4,16", "--balance", "train_time"],
+     "--balance train_time runs the model to time it: add --no-meta"),
+    (["plan", "{file}:gpt", "--input-shape", "4,16", "--balance", "speed"], "'speed': use flops, train_flops, params"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_code_2(factory_file, args, message, capsys):
     fill = {"file": str(factory_file), "dir": str(factory_file.parent)}
