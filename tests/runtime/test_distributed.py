@@ -197,7 +197,7 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, confi
 # 2 ranks: test_p2p's receive-buffer run trains zb-h1, zbv and dualpipev there against the plain model in float64;
 # zb-h1 under "always" and zbv under "except_last" over ranks: test_gradients_and_loss_equal_the_in_process_pipeline;
 # the experts over ranks: test_experts_given_rows_of_a_size_set_by_values_train_over_ranks_like_the_plain_model, and
-# under zero bubble in process: test_zero_bubble.py
+# under zero bubble in process: test_zero_bubble.py; two inputs through the split backward: zbv here
 @pytest.mark.parametrize("world,runs", [(4, "zb-h1=gpt:never|zbv=gpt:always,two_inputs:except_last")])
 def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, runs):
     """zb-h1 and zbv over 2 and 4 gloo ranks (dualpipev over 2: zbv's V and tasks in its own order), one launch per
