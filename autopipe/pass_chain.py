@@ -65,8 +65,8 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
                              balance="flops" if given is not None else options.balance, tolerance=options.tolerance,
                              memory_cap=options.memory_cap, analysis=analysis, cut_of=cut_of or given,
                              crossing_price=options.crossing_price)
-            if given is not None:
-                plan.balance = f"the given plan's cut ({given.balance})"
+            if given is not None:  # the shares printed are FLOPs'; the cut is the given plan's
+                plan.notes.append(f"the cut is the given plan's (balanced by {given.balance})")
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it
             for message in plan.across_micro_batches:
                 warnings.warn(f"autopipe: {message}", stacklevel=4)
@@ -143,5 +143,6 @@ def trace_analyse_and_cost(model, args, kwargs, options: Options, static_batch: 
             costed.train_seconds = train_seconds(traced.graph_module, measure, workers,
                                                  on_cpu=all(d.type == "cpu" for d in options.devices),
                                                  recompute=options.checkpoint != "never")
-        report["detail"] = f"balance={'given weights' if isinstance(options.balance, tuple) else repr(options.balance)}"
+        given = {tuple: "given weights", Plan: "a given plan's cut"}.get(type(options.balance))
+        report["detail"] = f"balance={given or repr(options.balance)}"
     return traced, analysis, costed

@@ -362,7 +362,7 @@ def given_cut_scenario(results: dict) -> None:
     made = [autopipe.plan(gpt64(), (ids,), devices=2, chunks=CHUNKS, balance=[1, 3]) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(made, src=0)
     pipe = autopipe.compile(gpt64(), chunks=CHUNKS, balance=made[0], example_inputs=(ids,))
-    results["given_cut"] = {"stages": [list(s.params) for s in pipe.plan.stages], "balance": pipe.plan.balance,
+    results["given_cut"] = {"stages": [list(s.params) for s in pipe.plan.stages], "notes": list(pipe.plan.notes),
                             "made": [list(s.params) for s in made[0].stages],
                             "default": [list(s.params) for s in autopipe.plan(gpt64(), (ids,), devices=2).stages]}
     pipe.close()

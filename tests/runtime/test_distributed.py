@@ -373,4 +373,4 @@ def test_a_plan_made_on_one_rank_and_broadcast_gives_every_rank_its_cut(pp_run):
     for r in pp_run:
         got = r["given_cut"]
         assert got["stages"] == got["made"] != got["default"]
-        assert got["balance"].startswith("the given plan's cut (shares")
+        assert got["notes"][-1].startswith("the cut is the given plan's (balanced by shares")
