@@ -37,6 +37,15 @@ def assert_equivalent(model, pipe, args, kwargs, ref_out, ref_grads, atol=1e-5):
     model.zero_grad()
 
 
+def assert_float64_gradients(model, pipe, x):
+    """One backward through ``pipe`` leaves on ``model`` the gradients a copy of the plain model gets, to 1e-12."""
+    plain = copy.deepcopy(model)
+    pipe(x).sin().sum().backward()
+    plain(x).sin().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def setup(name, batch=8):
     model = build(name)
     if name in ("gpt", "resnet"):
@@ -331,11 +340,7 @@ def test_crossing_price_and_train_flops_reach_the_cut_and_train_as_the_plain_mod
     assert max(t.shape[-1] for t in unpriced.cut_tensors(0)) == 64
     pipe = autopipe.compile(model, devices=2, chunks=2, balance="train_flops", crossing_price=16.0, example_inputs=(x,))
     assert [list(t.shape) for t in pipe.plan.cut_tensors(0)] == [[8, 8]]  # the narrow residual alone
-    plain = copy.deepcopy(model)
-    pipe(x).sin().sum().backward()
-    plain(x).sin().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert_float64_gradients(model, pipe, x)
     with pytest.raises(ValueError, match="crossing_price must be a finite number"):
         autopipe.plan(model, (x,), devices=2, crossing_price=-1.0)
 
@@ -379,11 +384,7 @@ def test_train_time_balances_each_nodes_measured_step_and_trains_as_the_plain_mo
     assert pipe.plan.balance == "train_time"
     first = set(pipe.plan.stages[0].params)
     assert {"blocks.0.weight"} <= first <= {f"blocks.{b}.{w}" for b in (0, 1) for w in ("weight", "bias")}, pipe.plan
-    plain = copy.deepcopy(model)
-    pipe(x).sin().sum().backward()
-    plain(x).sin().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert_float64_gradients(model, pipe, x)
     with torch.device("meta"):
         on_meta = SlowToTrainFirst()
     with pytest.raises(ValueError, match="balance='train_time' runs the model to time it.*give the plan as balance="):

@@ -227,7 +227,7 @@ class DistributedPipeline(torch.nn.Module):
         """The program of these arguments' signature (``pipeline.signature_key``), compiled on first sight: every rank
         is called with arguments of the same shapes, so each plans the same program at the same step."""
         if self._current is not None:
-            refuse_fsdp_on_top(self, self.stages, self._sharded)
+            refuse_fsdp_on_top(self, self.stages)
         key = signature_key(self._model, args, kwargs)
         known = self._programs.get(key)
         if known is None:

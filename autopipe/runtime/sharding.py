@@ -56,11 +56,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "to_local")
 
 
-def refuse_fsdp_on_top(pipe: torch.nn.Module, stages: list[torch.nn.Module], ours: ShardedStages | None) -> None:
-    """FSDP2 the user applied to the pipeline or a stage after compile, over autopipe's own: refused, naming it."""
+def refuse_fsdp_on_top(pipe: torch.nn.Module, stages: list[torch.nn.Module]) -> None:
+    """FSDP2 the user applied to the pipeline or a stage after compile, over autopipe's own: refused, naming it.
+    autopipe's own shards the stages' root, never a stage (Note [one FSDP2 root over a rank's stages])."""
     wrapped = "the pipeline" if isinstance(pipe, FSDPModule) else next(
-        (f"stage {s.index}" for s in stages if isinstance(s, FSDPModule)
-         and (ours is None or fully_shard.state(s) is not ours.state)), None)
+        (f"stage {s.index}" for s in stages if isinstance(s, FSDPModule)), None)
     if wrapped is not None:
         raise ValueError(f"{wrapped} is wrapped in FSDP2 (fully_shard) by the caller: autopipe shards each stage "
                          f"itself over the mesh's 'dp_shard' dim; drop your fully_shard (docs/torchrun.md)")
@@ -96,12 +96,16 @@ class ShardedStages:
     def unshard(self, also: Iterable[torch.nn.Module] = ()) -> None:
         """At a step's start: the parameters gathered, and no task reduces or reshards; ``also``: a later program's
         stages, which then hold the gathered parameters too (Note [programs after the first under FSDP2])."""
-        self.root.set_is_last_backward(False)
-        self.root.set_reshard_after_backward(False)
-        self.root.set_requires_gradient_sync(False)
+        self._reduce_after_backward(False)
         held = self._held()
         self.root.unshard()
         self._follow(held, also)
+
+    def _reduce_after_backward(self, on: bool) -> None:
+        """FSDP2's three switches: whether its post-backward reduces the gradients and reshards (the step's end)."""
+        self.root.set_is_last_backward(on)
+        self.root.set_reshard_after_backward(on)
+        self.root.set_requires_gradient_sync(on)
 
     def _held(self) -> list[tuple[dict, str, torch.Tensor]]:
         return list(tables(m for s in self.stages for m in s.modules()))
@@ -124,9 +128,7 @@ class ShardedStages:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         pairs.clear()
-        self.root.set_is_last_backward(True)
-        self.root.set_reshard_after_backward(True)
-        self.root.set_requires_gradient_sync(True)
+        self._reduce_after_backward(True)
         held = self._held()
         for state in self.state._state_ctx.all_states or [self.state]:
             for group in state._fsdp_param_groups:
@@ -144,7 +146,7 @@ def grads_before(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup) -
 # Note [a tie sums the step's gradient alone]: the ranks holding a tied weight each add their stage's gradient to
 # its .grad; summing the whole .grad over them would add every other rank's earlier steps again where a loop
 # accumulates over several steps without zeroing. The step's part alone (.grad less what it held before) is summed.
-def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup, before: list | None = None) -> None:
+def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup, before: list) -> None:
     """Each tied weight's gradient of this step summed over the ranks that hold it (``lookup(name)``: this rank's
     parameter of that canonical name; ``before``: grads_before, taken before the step; Note [a tie sums the step's
     gradient alone]); a DTensor's local shard, which holds the same rows on every holder."""
@@ -154,7 +156,7 @@ def sum_tied(tied: list[tuple[str, dist.ProcessGroup, list[int]]], lookup, befor
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            held = before[k] if before is not None else None
+            held = before[k]
             if held is None:
                 dist.all_reduce(local, group=group)
                 continue

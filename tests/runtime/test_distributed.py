@@ -200,10 +200,9 @@ def test_gradients_and_loss_equal_the_in_process_pipeline(tmp_path, world, confi
 # under zero bubble in process: test_zero_bubble.py; two inputs through the split backward: zbv here
 @pytest.mark.parametrize("world,runs", [(4, "zb-h1=gpt:never|zbv=gpt:always,two_inputs:except_last")])
 def test_zero_bubble_over_ranks_gives_the_plain_models_gradients_in_float64(tmp_path, world, runs):
-    """zb-h1 and zbv over 2 and 4 gloo ranks (dualpipev over 2: zbv's V and tasks in its own order), one launch per
-    world, every checkpoint mode under each (spread over the models at 2 ranks: each compile traces again;
-    test_zero_bubble.py runs every model in every mode in process): each parameter's gradient, on each rank that holds
-    it, is the plain model's to 1e-10 (zbv at 4 ranks: 8 stages in a V, the GPT's tied embedding and head on rank 0)."""
+    """zb-h1 and zbv over 4 gloo ranks, one launch (the other modes, models and 2 ranks run where the comment above
+    says; test_zero_bubble.py runs every model in every mode in process): each parameter's gradient, on each rank that
+    holds it, is the plain model's to 1e-10 (zbv: 8 stages in a V, the GPT's tied embedding and head on rank 0)."""
     run = launch("zoo", world, tmp_path, RUNS=runs)
     assert run.codes == [0] * world, run.log()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
