@@ -4,6 +4,7 @@ measured, per term, on the zoo and small transformers models at K=2 and 4, CPU w
     python benchmarks/cost_model.py            # every model, K=2 and 4 (a few minutes on 2 cores)
     python benchmarks/cost_model.py --quick    # one small model at K=2: a smoke test, not a measurement
     python benchmarks/cost_model.py --models gpt2 --ks 2
+    python benchmarks/cost_model.py --transport gloo   # K gloo processes, as torchrun runs them (cost_model_gloo.txt)
 
 Per (model, K, schedule, checkpoint): at K=2 1F1B with checkpoint="except_last" (a recompute for all but the last
 micro-batch), zb-h1 (B and W apart) and zbv (two stages a device, summed per device); at K=4 1F1B. autopipe.compile on
@@ -17,11 +18,23 @@ and the error of the stage's sum; "worst" names the term furthest off where a st
 loss and the link are predicted and printed, not compared: the Timeline times the stages' tasks only. A gloo
 ping-pong is printed too, the link a torchrun pipeline on this machine would pay. Writes
 benchmarks/results/cost_model.txt (cost_model-quick.txt with --quick) under a header naming the machine.
+
+``--transport gloo`` runs each row as K gloo processes on 127.0.0.1 with torchrun's environment, one stage (two
+under zbv) a rank: workers then share the cores but no GIL. The node times are measured on min(K, cores) ranks at
+once and rank 0's are used (Note [node times measured on ranks at once]); each rank's Timeline is gathered to rank 0
+for ``plan.validate``; a rank adds each micro-batch's parameter gradients inside its backward tasks, so the prediction
+counts those sums in the tasks (``sums_in_tasks``). Writes cost_model_gloo.txt.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import socket
 import sys
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
@@ -124,12 +138,110 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
         step()
         timelines.append(pipe.timeline)
     report = pipe.plan.validate(timelines)
-    worst = max(report.checks, key=lambda c: abs(c.error))
     makespan = sorted(t.makespan for t in timelines)[len(timelines) // 2]
-    summary = [case.name, k, f"{schedule} ({checkpoint})", pipe.plan.n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
+    return _rows(case.name, k, schedule, checkpoint, threads, pipe.plan.n_stages, prediction, report, makespan,
+                 f"{k} CPU worker threads")
+
+
+def _rows(name, k, schedule, checkpoint, threads, n_stages, prediction, report, makespan, workers) -> tuple:
+    """The validation block and its summary row."""
+    worst = max(report.checks, key=lambda c: abs(c.error))
+    summary = [name, k, f"{schedule} ({checkpoint})", n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
                worst.worst if worst.missed else "-", f"{1e3 * prediction.step:.1f}", f"{1e3 * makespan:.1f}"]
-    title = f"== {case.name}, K={k}, {schedule}, checkpoint={checkpoint!r}, M={CHUNKS}, {threads} thread(s) a worker"
+    title = (f"== {name}, K={k}, {schedule}, checkpoint={checkpoint!r}, M={CHUNKS}, {workers}, {threads} thread(s) "
+             f"a worker")
     return "\n".join([title, str(prediction), str(report)]), summary
+
+
+# -- one gloo process per device, as torchrun runs them ------------------------------------------------------------
+
+def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint: str, steps: int, repeats: int,
+              link, queue) -> None:
+    """One rank of a K-process pipeline: the node times (measured on the first min(K, cores) ranks at once, each
+    the others' peer; rank 0's used by all), the pipeline's steps, and on rank 0 the prediction and its check
+    against every rank's Timeline."""
+    try:
+        cores = _common.cores()
+        threads = max(1, cores // k)
+        torch.set_num_threads(threads)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=k, timeout=timedelta(seconds=600))
+        case = CASES[name]
+        model, args, kwargs, loss_fn, target = case.build()
+        traced = trace(model, args, kwargs)
+        flat = traced.flat_inputs(args, kwargs)
+        batch, rows = traced.batch_size, traced.batch_size // CHUNKS
+        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
+        start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
+        dist.barrier()
+        measured = [None]
+        if rank < min(k, cores):  # Note [node times measured on ranks at once]
+            measured = [measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0,
+                                           output_grads=start)]
+        dist.barrier()
+        dist.broadcast_object_list(measured, src=0)
+        times = measured[0]
+        loss = 0.0
+        if loss_fn is not None and rank == 0:
+            with torch.no_grad():
+                out = model(*(a[:rows] for a in args))
+            loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
+        pipe = autopipe.compile(model, chunks=CHUNKS, example_inputs=args, example_kwargs=kwargs, schedule=schedule,
+                                checkpoint=checkpoint, timeout=600)
+        step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
+        step()
+        step()
+        events, makespans = [], []
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            step()
+            events.append(list(pipe.timeline.events))
+            makespans.append(pipe.timeline.makespan)
+        gathered = [None] * k if rank == 0 else None
+        dist.gather_object((events, makespans), gathered, dst=0)
+        if rank == 0:
+            timelines = [SimpleNamespace(events=[e for got in gathered for e in got[0][i]], schedule=None)
+                         for i in range(steps)]
+            prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
+                                           loss_seconds=loss, cores=cores, sums_in_tasks=True)
+            report = pipe.plan.validate(timelines)
+            makespan = sorted(max(got[1][i] for got in gathered) for i in range(steps))[steps // 2]
+            queue.put((rank, _rows(name, k, schedule, checkpoint, threads, pipe.plan.n_stages, prediction, report,
+                                   makespan, f"{k} gloo processes")))
+        pipe.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+        raise
+
+
+# Note [node times measured on ranks at once]: under K processes each rank has its own interpreter, so workers share
+# the cores and the memory system but no GIL. The node times are measured on min(K, cores) ranks at the same time,
+# each being the others' peer (the rest wait in a barrier, asleep); rank 0's are every rank's. Past one rank a core,
+# ``cores`` stretches the tasks by the busy ranks over the cores (Note [workers sharing cores]).
+def measure_ranks(name: str, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link) -> tuple:
+    """One (model, K, schedule) over K gloo processes: the validation table and its summary row, from rank 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, k, port, name, schedule, checkpoint, steps, repeats, link, queue))
+             for r in range(k)]
+    for p in procs:
+        p.start()
+    try:
+        rank, got = queue.get()
+        if isinstance(got, str):
+            raise RuntimeError(f"rank {rank} failed:\n{got}")
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
 
 
 def main(argv=None) -> int:
@@ -139,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; --quick 2)")
     p.add_argument("--alone", action="store_true", help="node times measured with no peer workers running; tasks "
                    "stretched by busy workers over cores instead (Note [workers sharing cores])")
+    p.add_argument("--schedules", nargs="+", default=None, help="only these rows' schedules (default: every row)")
+    p.add_argument("--transport", choices=("threads", "gloo"), default="threads",
+                   help="threads: K CPU worker threads in one process; gloo: K processes, as torchrun runs them")
     a = p.parse_args(argv)
     models = a.models or (["transformer_like"] if a.quick else list(CASES))
     ks = a.ks or ([2] if a.quick else [2, 4])
@@ -149,18 +264,28 @@ def main(argv=None) -> int:
     for name in models:
         for k in ks:
             for schedule, checkpoint in ROWS.get(k, ROWS[4]):
+                if a.schedules and schedule not in a.schedules:
+                    continue
                 _common.progress(f"{name} K={k} {schedule} checkpoint={checkpoint}")
-                text, summary = measure(CASES[name], k, schedule, checkpoint, steps, repeats, link, a.alone)
+                text, summary = measure(CASES[name], k, schedule, checkpoint, steps, repeats, link, a.alone) \
+                    if a.transport == "threads" else measure_ranks(name, k, schedule, checkpoint, steps, repeats, gloo)
                 blocks.append(text)
                 rows.append(summary)
     summary = _common.table(rows, ["model", "K", "schedule", "stages", "worst stage error", "worst term",
                                    "predicted step (ms)", "measured makespan (ms)"])
-    head = _common.header("cost_model", [f"in-process {link}", f"torchrun's link here: {gloo}",
-                                         f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured "
-                                         f"{'alone, stretched by busy workers over cores' if a.alone else 'with K - 1 peer threads running the graph'}",
-                                         "a stage misses where predicted and measured differ by more than 10%"],
+    if a.transport == "threads":
+        how = [f"in-process {link}", f"torchrun's link here: {gloo}",
+               f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured "
+               f"{'alone, stretched by busy workers over cores' if a.alone else 'with K - 1 peer threads running the graph'}"]
+    else:
+        how = [f"K gloo processes on 127.0.0.1 (torchrun's environment), {gloo}",
+               f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured on min(K, cores) ranks at once, "
+               f"rank 0's used, tasks stretched by busy ranks over cores past one rank a core; measured: every rank's "
+               f"Timeline"]
+    name = "cost_model" if a.transport == "threads" else "cost_model_gloo"
+    head = _common.header(name, [*how, "a stage misses where predicted and measured differ by more than 10%"],
                           quick=a.quick)
-    _common.write("cost_model", "\n\n".join([head, summary, *blocks]), quick=a.quick, results_dir=a.results_dir)
+    _common.write(name, "\n\n".join([head, summary, *blocks]), quick=a.quick, results_dir=a.results_dir)
     return 0
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument(SMALL_OP_CHILD, dest="small_op_child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.small_op_child:
-        return small_op_child(args.small_op_runs or 41)
+        return small_op_child(args.small_op_runs or 41, args.quick)
     quick = args.quick
     threads = args.threads or C.cores()
     torch.set_num_threads(threads)
@@ -171,24 +171,26 @@ def main(argv=None) -> int:
     for pipe in pipes.values():
         pipe.close()
     if args.small_op:
-        text += "\n\n" + small_op_table(args.small_op_runs or (2 if quick else 41))
+        text += "\n\n" + small_op_table(args.small_op_runs or (2 if quick else 41), quick)
     C.write("overhead", text, quick=quick, results_dir=args.results_dir)
     return 0
 
 
 # -- the small-op GPT: plain vs autopipe on one pinned core -----------------------------
 
-def small_op_table(runs: int) -> str:
-    """Runs the measurement in a child process pinned to one core; returns the ratio table."""
+def small_op_table(runs: int, quick: bool = False) -> str:
+    """Runs the measurement in a child process pinned to one core; returns the ratio table. ``quick``: the model
+    at 2 layers (a smoke run of the table)."""
     C.progress(f"overhead: small-op GPT in a child process pinned to one core, {runs} alternating runs per row")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), SMALL_OP_CHILD, "--small-op-runs", str(runs)],
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), SMALL_OP_CHILD, "--small-op-runs", str(runs),
+                        *(["--quick"] if quick else [])],
                        stdout=subprocess.PIPE, text=True, env=env, check=True)
     got = json.loads(r.stdout.strip().splitlines()[-1])
     rows = [[row["step"], row["dropout"], f"{row['plain'] * 1e3:.2f}", f"{row['autopipe'] * 1e3:.2f}",
              f"{row['autopipe'] / row['plain']:.3f}x", f"{row['median_ratio']:.3f}x [{row['quartiles']}]"]
             for row in got["rows"]]
-    model = ", ".join(f"{k}={v}" for k, v in SMALL_OP.items())
+    model = ", ".join(f"{k}={v}" for k, v in _small_op(quick).items())
     lines = [
         f"small-op model: zoo.GPT({model}), batch {SMALL_OP_BATCH[0]} x sequence {SMALL_OP_BATCH[1]}, "
         f"{got['params'] / 1e6:.2f} M params, model.train(); autopipe.compile(devices=1, chunks=1, checkpoint='never', "
@@ -204,7 +206,11 @@ def small_op_table(runs: int) -> str:
                              "median of per-run ratios [quartiles]"]))
 
 
-def small_op_child(runs: int) -> int:
+def _small_op(quick: bool) -> dict:
+    return {**SMALL_OP, "layers": 2} if quick else SMALL_OP
+
+
+def small_op_child(runs: int, quick: bool = False) -> int:
     """In the pinned child: time plain vs autopipe; one JSON line on stdout."""
     from zoo import GPT
 
@@ -216,7 +222,7 @@ def small_op_child(runs: int) -> int:
     rows, params = [], 0
     for dropout in (0.1, 0.0):
         torch.manual_seed(0)
-        model = GPT(dropout=dropout, **SMALL_OP).train()
+        model = GPT(dropout=dropout, **_small_op(quick)).train()
         params = sum(p.numel() for p in model.parameters())
         pipe = autopipe.compile(model, devices=1, chunks=1, checkpoint="never", intra_op_threads=1,
                                 example_inputs=(x,))

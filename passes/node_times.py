@@ -4,11 +4,12 @@ alone (B, with the parameters frozen); W is the difference. passes/step_time.py 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,6 +36,9 @@ class NodeTimes:
     threads: int = 1
     forward_scale: float = 1.0  # the graph's own forward over its nodes' sum under the Interpreter
     peers: int = 0  # threads that ran the graph meanwhile
+    # per trainable parameter (every qualified name it has): seconds to add one micro-batch's gradient to the step's
+    # sum in place (Note [a micro-batch's gradients added to the step's])
+    accumulate: dict[str, float] = field(default_factory=dict)
 
     def weight(self, name: str) -> float:
         """W: the parameter gradients' share of the node's backward, between 0 and all of it (two runs' noise)."""
@@ -103,6 +107,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
                 t.start()
             try:
                 whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads)
+                sums = _time_sums(gm, repeats)
             finally:
                 stop.set()
                 for t in load:
@@ -115,7 +120,29 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
     scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
     return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
                      input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
-                     forward_scale=scale, peers=peers)
+                     forward_scale=scale, peers=peers, accumulate=sums)
+
+
+# Note [a micro-batch's gradients added to the step's]: a step sums each parameter's gradient over its micro-batches,
+# the first taken as the sum and each later one added in place (runtime/gradients.py). On a CPU that add reads two
+# parameter-sized tensors and writes one: on a small micro-batch it rivals the gradient's own matmul, which a node's
+# backward does not count. Timed here once per parameter, on the worker's threads.
+def _time_sums(gm: fx.GraphModule, repeats: int) -> dict[str, float]:
+    """Median seconds of ``total.add_(grad)`` per trainable parameter of ``gm``, under each of its names."""
+    seconds = {}
+    for param in {id(p): p for p in gm.parameters() if p.requires_grad}.values():
+        if param.device.type == "meta":
+            continue
+        with torch.no_grad():
+            total = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            grad = torch.ones_like(total)
+            runs = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                total.add_(grad)
+                runs.append(time.perf_counter() - start)
+        seconds[id(param)] = statistics.median(runs[1:])
+    return {name: seconds[id(p)] for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in seconds}
 
 
 # Note [a step's seconds per node]: balance="train_time" weighs each node by what a stage spends on it in a training
@@ -176,13 +203,37 @@ def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward
         given = output_grads(flat) if output_grads is not None else [None] * len(outputs)
         starts = [torch.ones_like(t) if output_grads is None else torch.zeros_like(t) if g is None else g
                   for t, g in zip(outputs, given, strict=True)]
-        torch.autograd.grad(outputs, wrt, starts, allow_unused=True)
+        with _dropped_as_made(params):
+            torch.autograd.backward(outputs, starts, inputs=wrt)
         end = time.perf_counter()
         stamps = recorder.stamps + [(end, "")]
         for (at, name), (after, _) in zip(stamps, stamps[1:]):
             seen[name] = seen.get(name, 0.0) + after - at
     for name, seconds in seen.items():
         backward[name].append(seconds)
+
+
+# Note [gradients dropped as made]: a step's backward hands each parameter's gradient on as the engine makes it (a
+# rank adds it to the step's sum at once: runtime/gradients.py), so glibc's heap holds one gradient at a time. Kept
+# to the end, as torch.autograd.grad keeps them, a stage's gradients are freed together, glibc trims the heap top it
+# grew, and the next backward page-faults every page again: a Linear's weight gradient measured several times its
+# forward that way, and about its forward's time with each gradient dropped as made, as here.
+@contextlib.contextmanager
+def _dropped_as_made(params: list):
+    """Around a backward into ``params``' ``.grad``: each gradient dropped as soon as it is accumulated, and every
+    ``.grad`` as it was afterwards (Note [gradients dropped as made])."""
+    before = [p.grad for p in params]
+    handles = []
+    try:
+        for p in params:
+            p.grad = None
+            handles.append(p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, before):
+            p.grad = g
 
 
 # Note [a backward's speed depends on its values]: a matmul over subnormal floats runs many times slower on a CPU. A

@@ -26,12 +26,14 @@ from .node_times import NodeTimes
 def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedule: str = "1f1b",
                       checkpoint: str = "except_last", chunks: int | None = None, virtual_stages: int = 1, *,
                       link: Link = SAME_DEVICE, loss_seconds: float = 0.0,
-                      cores: int | None = None) -> PredictedStepTime:
+                      cores: int | None = None, sums_in_tasks: bool = False) -> PredictedStepTime:
     """Per stage of ``plan``, summed over its micro-batches: the forwards of its nodes (owned and replicated), the
     recomputes ``checkpoint`` adds, the backward (B alone where the schedule runs W apart, else fused) and W, from
     ``times`` (measure_node_times at one micro-batch, scaled by each micro-batch's rows); ``loss_seconds`` (the loss
-    function's forward and backward on one micro-batch's outputs) on the last stage; the crossing bytes over ``link``.
-    ``cores``: CPU workers sharing that many cores (Note [workers sharing cores]).
+    function's forward and backward on one micro-batch's outputs) on the last stage; the crossing bytes over ``link``;
+    each later micro-batch's parameter gradients added to the step's sum (Note [a micro-batch's gradients added to
+    the step's]), inside the task that makes them where ``sums_in_tasks`` (a torchrun rank's runtime adds them as the
+    engine makes them), else after it. ``cores``: CPU workers sharing that many cores (Note [workers sharing cores]).
     The result is also set as ``plan.step_time``, which ``plan.validate(timeline)`` reads."""
     missing = [name for s in plan.stages for name in s.nodes if name not in times.forward]
     if missing:
@@ -53,6 +55,7 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
         apart = [built.splits_backward and _inputs_need_grads(plan, s.inputs) and (s.index, i) not in
                  built.full_backwards for i in range(n)]
         recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
+        added = sum(times.accumulate.get(name, 0.0) for name in s.params)  # a micro-batch's sum, each after the first
         received = _crossing(plan, s.inputs)
         sent = [t for name in s.outputs if (t := plan.tensors.get(name)) is not None and t.consumers]
         stages.append(StageTime(
@@ -61,7 +64,9 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
             backward=stretch * sum(x * (b_only if a else fused) for x, a in zip(scale, apart)),
             weight=stretch * sum(x * w_only for x, a in zip(scale, apart) if a),
             loss=loss_seconds * sum(scale) if s.index == plan.n_stages - 1 else 0.0,
-            send=_moved(link, sent, n), receive=_moved(link, received, n)))
+            send=_moved(link, sent, n), receive=_moved(link, received, n),
+            accumulate=stretch * added * (n - 1), accumulate_in_weight=stretch * added * sum(apart[1:]),
+            sums_in_tasks=sums_in_tasks))
     prediction = PredictedStepTime(stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint,
                                    n_devices=built.n_devices, bubble=built.bubble_fraction, link=link,
                                    source=f"measured at {times.rows} rows on {times.threads} thread(s), median of "

@@ -62,3 +62,23 @@ def test_gpu_benchmark_tiny_on_cpu_workers(tmp_path):
         assert len(re.findall(rf"^{model} +loop +[48] ", out, re.M)) == 2, model
     assert written.read_text().strip() == out.strip()
     assert "wrote" in r.stderr
+
+
+def test_cost_model_quick_validates_a_split_schedule_over_gloo_processes(tmp_path):
+    """benchmarks/cost_model.py over K gloo processes: every rank's Timeline reaches rank 0's plan.validate, and the
+    gradient sums a rank adds inside its tasks are predicted there (no 'accumulate' among the untimed terms)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cost_model.py"), "--quick", "--transport", "gloo",
+                        "--schedules", "zb-h1", "--results-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.startswith("# autopipe benchmark: cost_model_gloo") and "2 gloo processes" in out, out[:300]
+    rows = [line for line in out.splitlines() if line.startswith("transformer_like  2")]
+    assert len(rows) == 1 and "zb-h1 (never)" in rows[0]
+    report = out.split("Predicted / measured per stage")[1]
+    assert re.findall(r"^ +([01]) +[01] +[\d.]+ / [\d.]+ ", report, re.M) == ["0", "1"], report  # both ranks'
+    stage_1 = re.search(r"^ +1 +1 +[\d.]+ / ([\d.]+) +[\d.]+ / ([\d.]+) +[\d.]+ / ([\d.]+) ", report, re.M)
+    assert "weight (ms)" in report and all(float(ms) > 0 for ms in stage_1.groups())  # F, B and W timed on rank 1
+    assert "accumulate" in out.split("Predicted / measured")[0] and "accumulate" not in report
+    assert (tmp_path / "cost_model_gloo-quick.txt").read_text().strip() == out.strip()

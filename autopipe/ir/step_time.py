@@ -53,15 +53,29 @@ class StageTime:
     loss: float = 0.0
     send: float = 0.0
     receive: float = 0.0
+    # the parameter gradients summed over micro-batches (Note [a micro-batch's gradients added to the step's]); of it,
+    # ``accumulate_in_weight`` is added by W tasks; ``sums_in_tasks``: inside the backward tasks (a torchrun rank adds
+    # each gradient as the engine makes it), else after them, untimed
+    accumulate: float = 0.0
+    accumulate_in_weight: float = 0.0
+    sums_in_tasks: bool = False
 
     @property
     def timed(self) -> float:
         """What the Timeline's tasks of this stage add up to."""
-        return self.forward + self.recompute + self.backward + self.weight
+        return self.forward + self.recompute + self.backward + self.weight + (self.accumulate if self.sums_in_tasks
+                                                                              else 0.0)
+
+    def term(self, kind: str) -> float:
+        """The predicted seconds of a Timeline kind's tasks: its term, with the gradient sums the task adds."""
+        inside = self.accumulate if self.sums_in_tasks else 0.0
+        weight_share = self.accumulate_in_weight if self.sums_in_tasks else 0.0
+        extra = {"backward": inside - weight_share, "weight": weight_share}.get(kind, 0.0)
+        return getattr(self, kind) + extra
 
     @property
     def total(self) -> float:
-        return self.timed + self.loss + self.send + self.receive
+        return self.timed + self.loss + self.send + self.receive + (0.0 if self.sums_in_tasks else self.accumulate)
 
 
 class Timed(Protocol):  # what validate reads of a runtime Timeline
@@ -89,13 +103,14 @@ class PredictedStepTime(list):
         return max(self.per_device(), default=0.0) / busy if busy > 0 else math.inf
 
     def __str__(self) -> str:
-        rows = [[s.stage, s.device, *(_ms(getattr(s, f.name)) for f in fields(StageTime)[2:]), _ms(s.total)]
-                for s in self]
+        columns = [f.name for f in fields(StageTime)[2:] if f.type in (float, "float")
+                   and f.name != "accumulate_in_weight"]
+        rows = [[s.stage, s.device, *(_ms(getattr(s, name)) for name in columns), _ms(s.total)] for s in self]
         head = (f"Predicted step time: {self.schedule}, checkpoint={self.checkpoint!r}, M={self.chunks}, "
                 f"{self.n_devices} device(s); node times {self.source}"
                 f"{f', tasks x{self.stretch:.2f} (more busy workers than cores)' if self.stretch > 1 else ''}; "
                 f"{self.link}")
-        table = tabulate(rows, headers=["stage", "device", *(f.name for f in fields(StageTime)[2:]), "total"])
+        table = tabulate(rows, headers=["stage", "device", *columns, "total"])
         devices = ", ".join(f"{d}: {_ms(t)}" for d, t in enumerate(self.per_device()))
         return "\n".join([head, table, f"per device (ms): {devices}; step (busiest / (1 - bubble "
                                        f"{self.bubble:.3f})): {_ms(self.step)} ms"])
@@ -156,7 +171,8 @@ class Validation:
         table = tabulate(rows, headers=["stage", "device", *(f"{t} (ms)" for t in terms), "step (ms)", "error", ""])
         p = self.prediction
         untimed = ", ".join(f"stage {s.stage} {name} {_ms(getattr(s, name))} ms" for s in p
-                            for name in ("loss", "send", "receive") if getattr(s, name))
+                            for name in ("loss", "send", "receive", "accumulate") if getattr(s, name)
+                            and not (name == "accumulate" and s.sums_in_tasks))
         devices = sorted({c.device for c in self.checks})
         per_device = ", ".join(
             f"{d}: {_ms(sum(sum(c.predicted.values()) for c in self.checks if c.device == d))} / "
@@ -187,7 +203,7 @@ def validate(prediction: PredictedStepTime, timelines: Timed | Sequence[Timed]) 
                 measured[e.stage, TIMED[e.kind]] += e.end - e.start
         steps.append(measured)
     median = {key: statistics.median(step[key] for step in steps) for key in steps[0]}
-    checks = [StageCheck(s.stage, s.device, {t: getattr(s, t) for t in TIMED.values()},
+    checks = [StageCheck(s.stage, s.device, {t: s.term(t) for t in TIMED.values()},
                          {t: median[s.stage, t] for t in TIMED.values()}) for s in prediction]
     return Validation(checks, prediction, len(timelines))
 

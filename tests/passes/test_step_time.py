@@ -3,6 +3,7 @@ recompute, B, W, loss, link), and ``plan.validate(timeline)`` names the term tha
 asserted: the timelines compared against here are built, or only checked for their shape."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from autopipe.passes.step_time import crossing_price, measure_link, predict_step
 from autopipe.passes.trace import trace
 from autopipe.runtime.timeline import Event, Timeline
 from autopipe.ir.schedule import Schedule
+import zoo
 from zoo.models import MLP
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -78,7 +80,7 @@ def timeline_of(prediction, plan, scale: dict) -> Timeline:
     timeline, clock = Timeline(Schedule.build("1f1b", plan.n_stages, prediction.chunks)), 0.0
     for s in prediction:
         for kind in ("forward", "recompute", "backward", "weight"):
-            seconds = getattr(s, kind) * scale.get((s.stage, kind), 1.0) / prediction.chunks
+            seconds = s.term(kind) * scale.get((s.stage, kind), 1.0) / prediction.chunks
             for i in range(prediction.chunks):
                 timeline._events.append(Event(s.stage, i, kind, clock, clock + seconds))
                 clock += seconds
@@ -149,3 +151,49 @@ def test_a_backward_is_timed_from_the_losss_own_gradient_where_a_loss_is_given()
                                output_grads=lambda flat: calls.append(len(flat)) or gradients(flat))
     assert calls == [1] * 4 and set(times.backward) == set(costed.costs)  # B-and-W and B alone, each repeat
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_each_later_micro_batchs_gradients_are_summed_in_the_task_that_makes_them_on_a_rank():
+    """Each micro-batch after the first adds every parameter of its stage once (Note [a micro-batch's gradients added
+    to the step's]); on a torchrun rank inside the task that makes the gradients (the fused backward, else W), in
+    process after it (untimed, printed)."""
+    _, _, costed, plan = planned(n_stages=2, chunks=4)
+    names = [name for name, _ in costed.traced.graph_module.named_parameters()]
+    times = dataclasses.replace(stated_times(costed, rows=2), accumulate={name: 1e-4 for name in names})
+    after = predict_step_time(costed, plan, times, "zb-h1", "never")
+    inside = predict_step_time(costed, plan, times, "zb-h1", "never", sums_in_tasks=True)
+    for s, a, i in zip(plan.stages, after, inside):
+        assert a.accumulate == i.accumulate == pytest.approx(3 * len(s.params) * 1e-4)  # micro-batches 1, 2 and 3
+        assert a.term("backward") == a.backward and a.timed == pytest.approx(a.forward + a.backward + a.weight)
+        assert a.total == pytest.approx(a.timed + a.loss + a.send + a.receive + a.accumulate)
+        assert i.timed == pytest.approx(i.forward + i.backward + i.weight + i.accumulate)
+        assert i.total == pytest.approx(a.total)
+    # stage 0 fuses B and W (no float input): its sums land in its backward; stage 1's in its W
+    assert inside[0].term("backward") == pytest.approx(inside[0].backward + inside[0].accumulate)
+    assert inside[1].term("backward") == inside[1].backward
+    assert inside[1].term("weight") == pytest.approx(inside[1].weight + inside[1].accumulate)
+    report = plan.validate(timeline_of(inside, plan, {}))  # plan.step_time: the last prediction
+    assert report.ok and all(abs(c.error) < 1e-9 for c in report.checks)
+    assert "accumulate" in str(inside) and "accumulate" not in str(report)  # compared inside the tasks' terms
+    predict_step_time(costed, plan, times, "zb-h1", "never")
+    report = plan.validate(timeline_of(after, plan, {}))
+    added = 1e3 * 3 * len(plan.stages[1].params) * 1e-4
+    assert report.ok and f"stage 1 accumulate {added:.2f} ms" in str(report)  # after the tasks: named, not compared
+
+
+def test_measured_sums_cover_every_name_of_a_trainable_parameter_and_leave_grads_as_they_were():
+    """A tied weight has two names, each priced (a stage holding either adds its gradient); a ``.grad`` already set
+    is the same tensor, unchanged, after the measurement (Note [gradients dropped as made])."""
+    torch.manual_seed(0)
+    model = zoo.GPT(vocab=32, d=16, heads=2, layers=1, block=8, dropout=None)
+    ids = torch.randint(0, 32, (2, 8))
+    gm = trace(model, (ids,), {}, route="fx").graph_module
+    held = {name: torch.full_like(p, 3.0) for name, p in gm.named_parameters()}
+    for name, p in gm.named_parameters():
+        p.grad = held[name]
+    times = measure_node_times(gm, [ids], repeats=1, threads=1)
+    names = [name for name, _ in gm.named_parameters(remove_duplicate=False)]
+    assert len(names) > len(held) and set(times.accumulate) == set(names)
+    assert all(seconds > 0 for seconds in times.accumulate.values())
+    for name, p in gm.named_parameters():
+        assert p.grad is held[name] and bool((p.grad == 3.0).all())
