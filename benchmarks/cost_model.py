@@ -123,7 +123,7 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
     threads = pipe.intra_op_threads
     start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
     times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1,
-                               output_grads=start)
+                               output_grads=start, split_backward=True)
     loss = 0.0
     if loss_fn is not None:
         with torch.no_grad():
@@ -147,7 +147,8 @@ def _rows(name, k, schedule, checkpoint, threads, n_stages, prediction, report, 
     """The validation block and its summary row."""
     worst = max(report.checks, key=lambda c: abs(c.error))
     summary = [name, k, f"{schedule} ({checkpoint})", n_stages, f"{100 * worst.error:+.1f}% (stage {worst.stage})",
-               worst.worst if worst.missed else "-", f"{1e3 * prediction.step:.1f}", f"{1e3 * makespan:.1f}"]
+               worst.worst if worst.missed else "-", f"{1e3 * prediction.step:.1f}", f"{1e3 * makespan:.1f}",
+               f"{sum(not c.missed for c in report.checks)}/{len(report.checks)}"]
     title = (f"== {name}, K={k}, {schedule}, checkpoint={checkpoint!r}, M={CHUNKS}, {workers}, {threads} thread(s) "
              f"a worker")
     return "\n".join([title, str(prediction), str(report)]), summary
@@ -178,7 +179,7 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         measured = [None]
         if rank < min(k, cores):  # Note [node times measured on ranks at once]
             measured = [measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0,
-                                           output_grads=start)]
+                                           output_grads=start, split_backward=True)]
         dist.barrier()
         dist.broadcast_object_list(measured, src=0)
         times = measured[0]
@@ -272,7 +273,13 @@ def main(argv=None) -> int:
                 blocks.append(text)
                 rows.append(summary)
     summary = _common.table(rows, ["model", "K", "schedule", "stages", "worst stage error", "worst term",
-                                   "predicted step (ms)", "measured makespan (ms)"])
+                                   "predicted step (ms)", "measured makespan (ms)", "stages within 10%"])
+    within: dict[int, list[int]] = {}  # K -> [stages within 10%, stages]
+    for r in rows:
+        ok, n = map(int, r[-1].split("/"))
+        counts = within.setdefault(r[1], [0, 0])
+        counts[0], counts[1] = counts[0] + ok, counts[1] + n
+    summary += "\nstages within 10%: " + ", ".join(f"K={k}: {ok} of {n}" for k, (ok, n) in within.items())
     if a.transport == "threads":
         how = [f"in-process {link}", f"torchrun's link here: {gloo}",
                f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured "

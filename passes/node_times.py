@@ -17,8 +17,9 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .cost import CostedGraph
-from .fake_shapes import MutableArguments
 from .model_state import scalar_buffers_kept
+from .node_recorder import NodeRecorder, backward_starts
+from .split_times import time_split
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -39,62 +40,40 @@ class NodeTimes:
     # per trainable parameter (every qualified name it has): seconds to add one micro-batch's gradient to the step's
     # sum in place (Note [a micro-batch's gradients added to the step's])
     accumulate: dict[str, float] = field(default_factory=dict)
+    # B and W as a split schedule runs them (passes/split_times.py): per node, and per node reading parameters
+    input_grad_apart: dict[str, float] = field(default_factory=dict)
+    weight_apart: dict[str, float] = field(default_factory=dict)
 
     def weight(self, name: str) -> float:
         """W: the parameter gradients' share of the node's backward, between 0 and all of it (two runs' noise)."""
         whole = self.backward.get(name, 0.0)
         return min(max(whole - self.input_grad.get(name, 0.0), 0.0), whole)
 
+    def input_grad_split(self, name: str) -> float:
+        """B as a split schedule runs it: timed so where measured (Note [B and W timed apart]), else
+        ``input_grad``."""
+        return self.input_grad_apart.get(name, self.input_grad.get(name, 0.0))
 
-# Note [backward time per node]: the CPU autograd engine runs one node at a time on the calling thread, so a pre-hook
-# on each graph node's grad_fn stamps when its backward begins, and the next stamp ends it; the time in between is
-# that node's autograd functions (a Linear's addmm, transpose and bias sum). Timed with autograd.grad, so no .grad is
-# left on the model; the B run freezes the parameters and makes each value of the inputs require a gradient.
-class _Recorder(MutableArguments):
-    """Runs the graph, timing each call node's forward and stamping its backward (Note [backward time per node])."""
-
-    def __init__(self, gm: fx.GraphModule, forward: dict[str, list[float]], inputs_only: bool):
-        super().__init__(gm)
-        self.forward, self.inputs_only = forward, inputs_only
-        self.stamps: list[tuple[float, str]] = []
-        self.hooked: set[int] = set()
-        self.leaves: list[torch.Tensor] = []
-        self.from_inputs: set[fx.Node] = set()
-
-    def run_node(self, n: fx.Node):
-        start = time.perf_counter()
-        result = super().run_node(n)
-        if n.op not in _CALLS:
-            if n.op == "placeholder":
-                self.from_inputs.add(n)
-            return result
-        self.forward[n.name].append(time.perf_counter() - start)
-        batched = any(a in self.from_inputs for a in n.all_input_nodes)
-        if batched:
-            self.from_inputs.add(n)
-        for t in tree_leaves(result):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if self.inputs_only and batched and t.grad_fn is None and t.is_floating_point() and not t.requires_grad:
-                t.requires_grad_()  # a leaf computed from the inputs alone: B's gradients start here
-                self.leaves.append(t)
-            if t.grad_fn is not None and id(t.grad_fn) not in self.hooked:
-                self.hooked.add(id(t.grad_fn))
-                t.grad_fn.register_prehook(lambda *_, name=n.name: self.stamps.append((time.perf_counter(), name)))
-        return result
+    def weight_split(self, name: str) -> float:
+        """W as a split schedule runs it, apart from B: timed so where measured (Note [B and W timed apart]),
+        else ``weight``."""
+        return self.weight_apart.get(name, self.weight(name)) if self.weight_apart else self.weight(name)
 
 
 def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
-                       peers: int = 0, output_grads: Callable[[list], Sequence] | None = None) -> NodeTimes:
+                       peers: int = 0, output_grads: Callable[[list], Sequence] | None = None,
+                       split_backward: bool = False) -> NodeTimes:
     """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
     only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's), while ``peers`` threads
     run the graph's forward meanwhile (Note [workers sharing cores]). The backward starts from ``output_grads`` of
     the graph's outputs (``loss_gradients``: the loss's, Note [a backward's speed depends on its values]; None:
-    ones). Buffers, RNG, the thread count and the parameters' ``requires_grad`` and ``.grad`` are left as they
+    ones). ``split_backward``: also time each node's B and W as a split schedule runs them (Note [B and W timed
+    apart]). Buffers, RNG, the thread count and the parameters' ``requires_grad`` and ``.grad`` are left as they
     were."""
     forward: dict[str, list[float]] = collections.defaultdict(list)
     backward: dict[str, list[float]] = collections.defaultdict(list)
     input_grad: dict[str, list[float]] = collections.defaultdict(list)
+    apart = (collections.defaultdict(list), collections.defaultdict(list)) if split_backward else None
     params = [p for p in gm.parameters() if p.requires_grad]
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
@@ -106,7 +85,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
             for t in load:
                 t.start()
             try:
-                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads)
+                whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads, apart)
                 sums = _time_sums(gm, repeats)
             finally:
                 stop.set()
@@ -120,7 +99,8 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
     scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
     return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
                      input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
-                     forward_scale=scale, peers=peers, accumulate=sums)
+                     forward_scale=scale, peers=peers, accumulate=sums,
+                     input_grad_apart=median(apart[0]) if apart else {}, weight_apart=median(apart[1]) if apart else {})
 
 
 # Note [a micro-batch's gradients added to the step's]: a step sums each parameter's gradient over its micro-batches,
@@ -172,8 +152,9 @@ def _busy(gm: fx.GraphModule, inputs: Sequence, threads: int, stop: threading.Ev
 # Note [the interpreter's share]: a node timed under fx's Interpreter also pays for fetching its arguments from the
 # environment, which a stage's generated code does not; on small ops that is a share of the time. Each node's forward
 # is scaled by the graph's own forward (gm(*inputs), the generated code, as a stage runs) over their sum.
-def _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads) -> float:
-    """Fills the three tables; returns the median seconds of the graph's own forward, with grad."""
+def _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads, apart) -> float:
+    """Fills the tables (``apart`` where not None); returns the median seconds of the graph's own forward, with
+    grad."""
     whole = []
     with scalar_buffers_kept(gm, every_buffer=True), torch.random.fork_rng(devices=[]), torch.enable_grad():
         for _ in range(repeats):
@@ -182,6 +163,8 @@ def _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output
             gm(*copies)
             whole.append(time.perf_counter() - start)
             _time_backward(gm, inputs, forward, backward, params, False, output_grads)
+            if apart is not None:
+                time_split(gm, inputs, params, output_grads, *apart)
             try:
                 for p in params:
                     p.requires_grad_(False)
@@ -194,15 +177,13 @@ def _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output
 
 def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward: dict, params: list,
                    inputs_only: bool, output_grads: Callable[[list], Sequence] | None) -> None:
-    recorder = _Recorder(gm, forward, inputs_only)
+    recorder = NodeRecorder(gm, forward, inputs_only)
     flat = tree_leaves(recorder.run(*inputs))
     outputs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = params + recorder.leaves
     seen = {n: 0.0 for n in forward}
     if outputs and wrt:
-        given = output_grads(flat) if output_grads is not None else [None] * len(outputs)
-        starts = [torch.ones_like(t) if output_grads is None else torch.zeros_like(t) if g is None else g
-                  for t, g in zip(outputs, given, strict=True)]
+        starts = backward_starts(flat, outputs, output_grads)
         with _dropped_as_made(params):
             torch.autograd.backward(outputs, starts, inputs=wrt)
         end = time.perf_counter()

@@ -52,6 +52,8 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
         w_only = sum(times.weight(name) for name in s.nodes)
         fused = sum(times.backward.get(name, 0.0) for name in s.nodes)
         b_only = fused - w_only  # B + W is the fused backward, each node's W at least 0
+        b_apart = sum(times.input_grad_split(name) for name in s.nodes) if times.input_grad_apart else b_only
+        w_apart = sum(times.weight_split(name) for name in s.nodes)  # Note [B and W timed apart]
         apart = [built.splits_backward and _inputs_need_grads(plan, s.inputs) and (s.index, i) not in
                  built.full_backwards for i in range(n)]
         recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
@@ -61,8 +63,8 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
         stages.append(StageTime(
             stage=s.index, device=built.device_of(s.index), forward=stretch * forward * sum(scale),
             recompute=stretch * forward * sum(x for x, r in zip(scale, recomputed) if r),
-            backward=stretch * sum(x * (b_only if a else fused) for x, a in zip(scale, apart)),
-            weight=stretch * sum(x * w_only for x, a in zip(scale, apart) if a),
+            backward=stretch * sum(x * (b_apart if a else fused) for x, a in zip(scale, apart)),
+            weight=stretch * sum(x * w_apart for x, a in zip(scale, apart) if a),
             loss=loss_seconds * sum(scale) if s.index == plan.n_stages - 1 else 0.0,
             send=_moved(link, sent, n), receive=_moved(link, received, n),
             accumulate=stretch * added * (n - 1), accumulate_in_weight=stretch * added * sum(apart[1:]),

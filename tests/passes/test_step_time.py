@@ -197,3 +197,25 @@ def test_measured_sums_cover_every_name_of_a_trainable_parameter_and_leave_grads
     assert all(seconds > 0 for seconds in times.accumulate.values())
     for name, p in gm.named_parameters():
         assert p.grad is held[name] and bool((p.grad == 3.0).all())
+
+
+def test_b_and_w_timed_as_a_split_schedule_runs_them_price_the_split_stages():
+    """Note [B and W timed apart]: with ``split_backward=True`` every node past the first floating value computed from
+    the inputs gets a B, and each node reading parameters there a W, timed as zero bubble runs them; a stage whose W
+    runs apart is priced with them, a fused one is not."""
+    model, x, costed, plan = planned(n_stages=2, chunks=4)
+    gm = costed.traced.graph_module
+    times = measure_node_times(gm, [x[:2]], repeats=1, threads=1, split_backward=True)
+    reading = {n.name for n in gm.graph.nodes
+               if n.op == "call_module" and next(gm.get_submodule(n.target).parameters(), None) is not None}
+    first = next(n.name for n in gm.graph.nodes if n.op == "call_module")  # reads the input: before the leaves
+    assert set(times.weight_apart) == reading - {first} and first not in times.input_grad_apart
+    assert set(times.input_grad_apart) >= reading - {first}
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    stated = dataclasses.replace(stated_times(costed, rows=2), input_grad_apart={n: 5e-3 for n in costed.costs},
+                                 weight_apart={n: 7e-3 for n in costed.costs})
+    split = predict_step_time(costed, plan, stated, "zb-h1", "never")
+    fused = predict_step_time(costed, plan, stated_times(costed, rows=2), "zb-h1", "never")
+    nodes = len(plan.stages[1].nodes)
+    assert split[1].backward == pytest.approx(4 * nodes * 5e-3) and split[1].weight == pytest.approx(4 * nodes * 7e-3)
+    assert split[0].backward == fused[0].backward and split[0].weight == 0  # stage 0 fuses B and W
