@@ -200,9 +200,9 @@ def test_measured_sums_cover_every_name_of_a_trainable_parameter_and_leave_grads
 
 
 def test_b_and_w_timed_as_a_split_schedule_runs_them_price_the_split_stages():
-    """Note [B and W timed apart]: with ``split_backward=True`` every node past the first floating value computed from
-    the inputs gets a B, and each node reading parameters there a W, timed as zero bubble runs them; a stage whose W
-    runs apart is priced with them, a fused one is not."""
+    """With ``split_backward=True`` every node past the first floating value computed from the inputs gets a B, and
+    each node reading parameters there a W, timed as zero bubble runs them (Note [B and W timed apart]); a stage
+    whose W runs apart is priced with them, a fused one is not."""
     model, x, costed, plan = planned(n_stages=2, chunks=4)
     gm = costed.traced.graph_module
     times = measure_node_times(gm, [x[:2]], repeats=1, threads=1, split_backward=True)
