@@ -27,9 +27,12 @@ counts those sums in the tasks (``sums_in_tasks``). Writes cost_model_gloo.txt.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -47,7 +50,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.passes.cost import cost  # noqa: E402
-from autopipe.passes.node_times import loss_gradients, measure_loss, measure_node_times  # noqa: E402
+from autopipe.passes.node_times import NodeTimes, loss_gradients, measure_loss, measure_node_times  # noqa: E402
 from autopipe.passes.step_time import measure_link, predict_step_time  # noqa: E402
 from autopipe.passes.trace import trace  # noqa: E402
 from benchmarks import _common  # noqa: E402
@@ -158,9 +161,9 @@ def _rows(name, k, schedule, checkpoint, threads, n_stages, prediction, report, 
 
 def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint: str, steps: int, repeats: int,
               link, queue) -> None:
-    """One rank of a K-process pipeline: the node times (measured on the first min(K, cores) ranks at once, each
-    the others' peer; rank 0's used by all), the pipeline's steps, and on rank 0 the prediction and its check
-    against every rank's Timeline."""
+    """One rank of a K-process pipeline: the pipeline's timed steps, each after a round of node times (measured on
+    the first min(K, cores) ranks at once, each the others' peer), and on rank 0 the prediction from its rounds and
+    its check against every rank's Timeline."""
     try:
         cores = _common.cores()
         threads = max(1, cores // k)
@@ -170,19 +173,11 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         dist.init_process_group("gloo", rank=rank, world_size=k, timeout=timedelta(seconds=600))
         case = CASES[name]
         model, args, kwargs, loss_fn, target = case.build()
-        traced = trace(model, args, kwargs)
+        traced = trace(copy.deepcopy(model), args, kwargs)  # timed between steps: compile leaves a rank its stages
         flat = traced.flat_inputs(args, kwargs)
         batch, rows = traced.batch_size, traced.batch_size // CHUNKS
         micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
         start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
-        dist.barrier()
-        measured = [None]
-        if rank < min(k, cores):  # Note [node times measured on ranks at once]
-            measured = [measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0,
-                                           output_grads=start, split_backward=True)]
-        dist.barrier()
-        dist.broadcast_object_list(measured, src=0)
-        times = measured[0]
         loss = 0.0
         if loss_fn is not None and rank == 0:
             with torch.no_grad():
@@ -193,8 +188,14 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
         step()
         step()
-        events, makespans = [], []
-        for _ in range(steps):
+        events, makespans, measured = [], [], []
+        for _ in range(steps):  # Note [node times measured on ranks at once]
+            dist.barrier()
+            if rank < min(k, cores):
+                measured.append(measure_node_times(traced.graph_module, micro, repeats=max(1, repeats // steps),
+                                                   threads=threads,
+                                                   peers=0, output_grads=start, split_backward=True))
+            dist.barrier()
             model.zero_grad(set_to_none=True)
             step()
             events.append(list(pipe.timeline.events))
@@ -204,7 +205,8 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         if rank == 0:
             timelines = [SimpleNamespace(events=[e for got in gathered for e in got[0][i]], schedule=None)
                          for i in range(steps)]
-            prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
+            prediction = predict_step_time(cost(traced), pipe.plan, median_times(measured), schedule, checkpoint,
+                                           CHUNKS, link=link,
                                            loss_seconds=loss, cores=cores, sums_in_tasks=True)
             report = pipe.plan.validate(timelines)
             makespan = sorted(max(got[1][i] for got in gathered) for i in range(steps))[steps // 2]
@@ -220,8 +222,19 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
 
 # Note [node times measured on ranks at once]: under K processes each rank has its own interpreter, so workers share
 # the cores and the memory system but no GIL. The node times are measured on min(K, cores) ranks at the same time,
-# each being the others' peer (the rest wait in a barrier, asleep); rank 0's are every rank's. Past one rank a core,
-# ``cores`` stretches the tasks by the busy ranks over the cores (Note [workers sharing cores]).
+# each being the others' peer (the rest wait in a barrier, asleep), between the timed steps, so that a drift of the
+# machine's speed reaches the prediction and the measurement alike; rank 0's medians over the rounds predict. Past
+# one rank a core, ``cores`` stretches the tasks by the busy ranks over the cores (Note [workers sharing cores]).
+
+
+def median_times(rounds: list) -> NodeTimes:
+    """One NodeTimes from several measured rounds: each figure the median over the rounds."""
+    first = rounds[0]
+    merged = {f.name: {key: statistics.median(getattr(r, f.name)[key] for r in rounds if key in getattr(r, f.name))
+                       for key in getattr(first, f.name)}
+              for f in dataclasses.fields(NodeTimes) if isinstance(getattr(first, f.name), dict)}
+    return dataclasses.replace(first, **merged, repeats=sum(r.repeats for r in rounds),
+                               forward_scale=statistics.median(r.forward_scale for r in rounds))
 def measure_ranks(name: str, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link) -> tuple:
     """One (model, K, schedule) over K gloo processes: the validation table and its summary row, from rank 0."""
     with socket.socket() as s:
