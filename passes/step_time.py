@@ -29,7 +29,8 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
                       cores: int | None = None, sums_in_tasks: bool = False) -> PredictedStepTime:
     """Per stage of ``plan``, summed over its micro-batches: the forwards of its nodes (owned and replicated), the
     recomputes ``checkpoint`` adds, the backward (B alone where the schedule runs W apart, else fused) and W, from
-    ``times`` (measure_node_times at one micro-batch, scaled by each micro-batch's rows); ``loss_seconds`` (the loss
+    ``times`` (measure_node_times at one micro-batch, scaled by each micro-batch's rows; B and W apart as a split
+    schedule runs them where it timed them so, Note [B and W timed apart]); ``loss_seconds`` (the loss
     function's forward and backward on one micro-batch's outputs) on the last stage; the crossing bytes over ``link``;
     each later micro-batch's parameter gradients added to the step's sum (Note [a micro-batch's gradients added to
     the step's]), inside the task that makes them where ``sums_in_tasks`` (a torchrun rank's runtime adds them as the
