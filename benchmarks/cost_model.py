@@ -34,6 +34,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -230,9 +231,10 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
 def median_times(rounds: list) -> NodeTimes:
     """One NodeTimes from several measured rounds: each figure the median over the rounds."""
     first = rounds[0]
-    merged = {f.name: {key: statistics.median(getattr(r, f.name)[key] for r in rounds if key in getattr(r, f.name))
-                       for key in getattr(first, f.name)}
-              for f in dataclasses.fields(NodeTimes) if isinstance(getattr(first, f.name), dict)}
+    tables = [f.name for f in dataclasses.fields(NodeTimes) if isinstance(getattr(first, f.name), dict)]
+    merged = {name: {key: statistics.median(getattr(r, name)[key] for r in rounds if key in getattr(r, name))
+                     for key in dict.fromkeys(k for r in rounds for k in getattr(r, name))}
+              for name in tables}
     return dataclasses.replace(first, **merged, repeats=sum(r.repeats for r in rounds),
                                forward_scale=statistics.median(r.forward_scale for r in rounds))
 def measure_ranks(name: str, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link) -> tuple:
@@ -247,15 +249,25 @@ def measure_ranks(name: str, k: int, schedule: str, checkpoint: str, steps: int,
     for p in procs:
         p.start()
     try:
+        while queue.empty():  # a rank that dies without a word (a signal, the OOM killer) ends the row too
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
+            time.sleep(0.05)
         rank, got = queue.get()
         if isinstance(got, str):
             raise RuntimeError(f"rank {rank} failed:\n{got}")
+        for p in procs:
+            p.join(timeout=120)
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"rank {failed[0]} exited with code {procs[failed[0]].exitcode} after rank 0 reported")
         return got
     finally:
         for p in procs:
-            p.join(timeout=120)
             if p.is_alive():
                 p.kill()
+            p.join(timeout=10)
 
 
 def main(argv=None) -> int:

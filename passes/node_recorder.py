@@ -17,7 +17,8 @@ _CALLS = ("call_function", "call_method", "call_module")
 # Note [backward time per node]: the CPU autograd engine runs one node at a time on the calling thread, so a pre-hook
 # on each graph node's grad_fn stamps when its backward begins, and the next stamp ends it; the time in between is
 # that node's autograd functions (a Linear's addmm, transpose and bias sum). Timed with autograd.grad, so no .grad is
-# left on the model; the B run freezes the parameters and makes each value of the inputs require a gradient.
+# left on the model and no AccumulateGrad runs; the B run freezes the parameters and makes each value computed from
+# the inputs alone require a gradient.
 class NodeRecorder(MutableArguments):
     """Runs the graph, timing each call node's forward and stamping its backward (Note [backward time per node])."""
 

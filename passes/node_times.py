@@ -55,9 +55,11 @@ class NodeTimes:
         return self.input_grad_apart.get(name, self.input_grad.get(name, 0.0))
 
     def weight_split(self, name: str) -> float:
-        """W as a split schedule runs it, apart from B: timed so where measured (Note [B and W timed apart]),
-        else ``weight``."""
-        return self.weight_apart.get(name, self.weight(name)) if self.weight_apart else self.weight(name)
+        """W as a split schedule runs it, apart from B: timed so where measured (Note [B and W timed apart]); 0 for
+        a node timed apart that reads no parameter (W never runs it); else ``weight``."""
+        if name in self.weight_apart:
+            return self.weight_apart[name]
+        return 0.0 if name in self.input_grad_apart else self.weight(name)
 
 
 def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
@@ -104,7 +106,8 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
 
 
 # Note [a micro-batch's gradients added to the step's]: a step sums each parameter's gradient over its micro-batches,
-# the first taken as the sum and each later one added in place (runtime/gradients.py). On a CPU that add reads two
+# each one after the first added in place (runtime/gradients.py); a torchrun rank, summing as the engine makes them,
+# also copies the first into the sum's own tensor, so it writes one more. On a CPU that add reads two
 # parameter-sized tensors and writes one: on a small micro-batch it rivals the gradient's own matmul, which a node's
 # backward does not count. Timed here once per parameter, on the worker's threads.
 def _time_sums(gm: fx.GraphModule, repeats: int) -> dict[str, float]:
@@ -184,8 +187,11 @@ def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward
     seen = {n: 0.0 for n in forward}
     if outputs and wrt:
         starts = backward_starts(flat, outputs, output_grads)
-        with _dropped_as_made(params):
-            torch.autograd.backward(outputs, starts, inputs=wrt)
+        if params and not any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params):
+            with _dropped_as_made(params):
+                torch.autograd.backward(outputs, starts, inputs=wrt)
+        else:  # the B run, or hooks of the user's that AccumulateGrad would run: kept to the end
+            torch.autograd.grad(outputs, wrt, starts, allow_unused=True)
         end = time.perf_counter()
         stamps = recorder.stamps + [(end, "")]
         for (at, name), (after, _) in zip(stamps, stamps[1:]):
@@ -194,11 +200,15 @@ def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward
         backward[name].append(seconds)
 
 
-# Note [gradients dropped as made]: a step's backward hands each parameter's gradient on as the engine makes it (a
-# rank adds it to the step's sum at once: runtime/gradients.py), so glibc's heap holds one gradient at a time. Kept
-# to the end, as torch.autograd.grad keeps them, a stage's gradients are freed together, glibc trims the heap top it
-# grew, and the next backward page-faults every page again: a Linear's weight gradient measured several times its
-# forward that way, and about its forward's time with each gradient dropped as made, as here.
+# Note [gradients dropped as made]: on a torchrun rank a step's backward hands each parameter's gradient on as the
+# engine makes it (Note [gradients summed as the engine makes them], runtime/gradients.py), so glibc's heap holds one
+# gradient at a time. Kept to the end, as torch.autograd.grad keeps them, a stage's gradients are freed together,
+# glibc trimmed the heap top they grew, and the next backward page-faulted every page again: a Linear's weight
+# gradient measured several times its forward that way, and about its forward's time dropped as made. A tensor hook
+# handing the engine a zero tensor in their place (the runtime's way) measured as slow as keeping them here, so the
+# backward runs into ``.grad`` and a post-accumulate hook drops each at once, ``.grad`` restored after; where the
+# user's own parameter hooks would run (AccumulateGrad runs them, an optimizer in the backward among them) the
+# gradients are kept to the end instead. (The in-process runtime keeps them to the end: these are a rank's figures.)
 @contextlib.contextmanager
 def _dropped_as_made(params: list):
     """Around a backward into ``params``' ``.grad``: each gradient dropped as soon as it is accumulated, and every

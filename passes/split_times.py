@@ -22,8 +22,10 @@ from .node_recorder import NodeRecorder, backward_starts
 # group of parameters from those gradients, each node run again for its parameters' outputs alone. Both cost more
 # than their shares of a fused backward (the walk, the hooks, each call's own start), so each node is timed that way:
 # the first floating values computed from the graph's inputs become leaves (a later stage's inputs), the graph is
-# walked, B runs towards them stamping each node, and W runs once per node reading parameters. The walk is shared
-# out per autograd node; a node before the leaves (an embedding) keeps its fused-backward figures.
+# walked, B runs towards them stamping each node, and W runs once per node reading parameters, from the kept
+# gradient to the edges into its parameters' subgraph (a transpose or cast on that side is not timed). The walk is
+# shared out per autograd node; a node whose output becomes a leaf (an embedding, the first Linear on a float input)
+# keeps its fused-backward figures.
 def time_split(gm: fx.GraphModule, inputs: Sequence, params: list, output_grads: Callable[[list], Sequence] | None,
                 input_apart: dict, weight_apart: dict) -> None:
     """One forward of ``gm`` on ``inputs``, then B and W as a split schedule runs them (Note [B and W timed
