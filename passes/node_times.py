@@ -205,7 +205,7 @@ def _time_backward(gm: fx.GraphModule, inputs: Sequence, forward: dict, backward
 # gradient at a time. Kept to the end, as torch.autograd.grad keeps them, a stage's gradients are freed together,
 # glibc trimmed the heap top they grew, and the next backward page-faulted every page again: a Linear's weight
 # gradient measured several times its forward that way, and about its forward's time dropped as made. A tensor hook
-# handing the engine a zero tensor in their place (the runtime's way) measured as slow as keeping them here, so the
+# handing the engine a zero tensor in their place (the runtime's way) measured little faster than keeping them, so the
 # backward runs into ``.grad`` and a post-accumulate hook drops each at once, ``.grad`` restored after; where the
 # user's own parameter hooks would run (AccumulateGrad runs them, an optimizer in the backward among them) the
 # gradients are kept to the end instead. (The in-process runtime keeps them to the end: these are a rank's figures.)

@@ -71,9 +71,10 @@ def test_cost_model_quick_validates_a_split_schedule_over_gloo_processes(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, str(ROOT / "benchmarks" / "cost_model.py"), "--quick", "--transport", "gloo",
                "--schedules", "zb-h1", "--results-dir", str(tmp_path)]
-    # a session of its own: on a timeout its spawned ranks are killed with it, not left to gloo's timeout
+    # a process group of its own: on a timeout its spawned ranks are killed with it, not left to gloo's timeout
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                          start_new_session=True) as child:
+                          **group) as child:
         try:
             out, err = child.communicate(timeout=300)
         except subprocess.TimeoutExpired:
