@@ -262,3 +262,46 @@ def mib(n: float) -> str:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+# -- K gloo processes on this machine -------------------------------------------------------------------------------
+
+def run_ranks(target: Callable, k: int, *args) -> list:
+    """Spawns ``k`` processes, each running ``target(rank, k, port, *args, queue)`` with a free 127.0.0.1 port for its
+    process group; each puts ``(rank, result)`` on the queue once, or ``(rank, traceback text)`` when it fails.
+    Returns the results by rank. Raises on a failure, on a rank that exits before it reports (a signal, the OOM
+    killer) and on a non-zero exit after; kills any rank left running."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(r, k, port, *args, queue)) for r in range(k)]
+    for p in procs:
+        p.start()
+    results: list = [None] * k
+    try:
+        for _ in range(k):
+            while queue.empty():
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
+                time.sleep(0.05)
+            rank, got = queue.get()
+            if isinstance(got, str):
+                raise RuntimeError(f"rank {rank} failed:\n{got}")
+            results[rank] = got
+        for p in procs:
+            p.join(timeout=120)
+        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"rank {failed[0]} exited with code {procs[failed[0]].exitcode} after reporting")
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)

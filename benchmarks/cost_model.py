@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -213,6 +210,8 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
             makespan = sorted(max(got[1][i] for got in gathered) for i in range(steps))[steps // 2]
             queue.put((rank, _rows(name, k, schedule, checkpoint, threads, pipe.plan.n_stages, prediction, report,
                                    makespan, f"{k} gloo processes")))
+        else:
+            queue.put((rank, None))
         pipe.close()
         dist.barrier()
         dist.destroy_process_group()
@@ -239,35 +238,7 @@ def median_times(rounds: list) -> NodeTimes:
                                forward_scale=statistics.median(r.forward_scale for r in rounds))
 def measure_ranks(name: str, k: int, schedule: str, checkpoint: str, steps: int, repeats: int, link) -> tuple:
     """One (model, K, schedule) over K gloo processes: the validation table and its summary row, from rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, k, port, name, schedule, checkpoint, steps, repeats, link, queue))
-             for r in range(k)]
-    for p in procs:
-        p.start()
-    try:
-        while queue.empty():  # a rank that dies without a word (a signal, the OOM killer) ends the row too
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
-            time.sleep(0.05)
-        rank, got = queue.get()
-        if isinstance(got, str):
-            raise RuntimeError(f"rank {rank} failed:\n{got}")
-        for p in procs:
-            p.join(timeout=120)
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"rank {failed[0]} exited with code {procs[failed[0]].exitcode} after rank 0 reported")
-        return got
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
+    return _common.run_ranks(rank_main, k, name, schedule, checkpoint, steps, repeats, link)[0]
 
 
 def main(argv=None) -> int:

@@ -26,9 +26,7 @@ micro-batch; autopipe's rows from its plan), and one summary line per schedule:
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -202,27 +200,7 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
 
 
 def run_ranks(args, k: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, k, port, args, queue)) for r in range(k)]
-    for p in procs:
-        p.start()
-    results: list = [None] * k
-    try:
-        for _ in range(k):
-            rank, got = queue.get()
-            if isinstance(got, str):
-                raise RuntimeError(f"rank {rank} failed:\n{got}")
-            results[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-    return results
+    return C.run_ranks(rank_main, k, args)
 
 
 def main() -> None:

@@ -30,10 +30,8 @@ max |g - g_plain| / max |g_plain| over the parameters each device holds, against
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import sys
 import threading
@@ -213,12 +211,12 @@ def _full_names(model: nn.Module, piece: nn.Module):
     return [(n, p) for n, p in model.named_parameters() if id(p) in ids]
 
 
-def rank_main(rank: int, port: int, args, queue) -> None:
+def rank_main(rank: int, k: int, port: int, args, queue) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(K), MASTER_ADDR="127.0.0.1",
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(k), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=K, timeout=timedelta(seconds=300))
+        dist.init_process_group("gloo", rank=rank, world_size=k, timeout=timedelta(seconds=300))
         x, y = data(args)
         plain = build(args)
         steps, models, names, pipes = {}, {}, {}, {}
@@ -280,27 +278,7 @@ def minor_faults() -> int:
 
 
 def two_processes(args) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, args, queue)) for r in range(K)]
-    for p in procs:
-        p.start()
-    results: list = [None] * K
-    try:
-        for _ in range(K):
-            rank, got = queue.get()
-            if isinstance(got, str):
-                raise RuntimeError(f"rank {rank} failed:\n{got}")
-            results[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results
+    return C.run_ranks(rank_main, K, args)
 
 
 def main() -> None:
