@@ -118,18 +118,10 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
     step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
     step()  # compiles
     traced = trace(model, args, kwargs)
-    flat = traced.flat_inputs(args, kwargs)
-    batch, rows = traced.batch_size, traced.batch_size // CHUNKS
-    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
     threads = pipe.intra_op_threads
-    start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
+    micro, start, loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats, threads)
     times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1,
                                output_grads=start, split_backward=True)
-    loss = 0.0
-    if loss_fn is not None:
-        with torch.no_grad():
-            out = model(*(a[:rows] for a in args))
-        loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
     prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
                                    loss_seconds=loss, cores=_common.cores() if alone else None)
     step()
@@ -142,6 +134,25 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
     makespan = sorted(t.makespan for t in timelines)[len(timelines) // 2]
     return _rows(case.name, k, schedule, checkpoint, threads, pipe.plan.n_stages, prediction, report, makespan,
                  f"{k} CPU worker threads")
+
+
+def one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats: int, threads: int,
+                    time_loss: bool = True) -> tuple:
+    """The traced graph's flat inputs cut to one micro-batch, the gradient its timed backwards start from (the loss's,
+    where a loss function is given) and the loss function's seconds on one micro-batch's outputs (0 without one, or
+    without ``time_loss``)."""
+    batch, rows = traced.batch_size, traced.batch_size // CHUNKS
+    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+             for t in traced.flat_inputs(args, kwargs)]
+    if loss_fn is None:
+        return micro, None, 0.0
+    start = loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
+    if not time_loss:
+        return micro, start, 0.0
+    with torch.no_grad():
+        out = model(*(a[:rows] for a in args))
+    loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
+    return micro, start, loss
 
 
 def _rows(name, k, schedule, checkpoint, threads, n_stages, prediction, report, makespan, workers) -> tuple:
@@ -172,15 +183,8 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         case = CASES[name]
         model, args, kwargs, loss_fn, target = case.build()
         traced = trace(copy.deepcopy(model), args, kwargs)  # timed between steps: compile leaves a rank its stages
-        flat = traced.flat_inputs(args, kwargs)
-        batch, rows = traced.batch_size, traced.batch_size // CHUNKS
-        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in flat]
-        start = None if loss_fn is None else loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
-        loss = 0.0
-        if loss_fn is not None and rank == 0:
-            with torch.no_grad():
-                out = model(*(a[:rows] for a in args))
-            loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
+        micro, start, loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats, threads,
+                                             time_loss=rank == 0)
         pipe = autopipe.compile(model, chunks=CHUNKS, example_inputs=args, example_kwargs=kwargs, schedule=schedule,
                                 checkpoint=checkpoint, timeout=600)
         step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
