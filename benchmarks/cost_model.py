@@ -21,7 +21,8 @@ benchmarks/results/cost_model.txt (cost_model-quick.txt with --quick) under a he
 
 ``--transport gloo`` runs each row as K gloo processes on 127.0.0.1 with torchrun's environment, one stage (two
 under zbv) a rank: workers then share the cores but no GIL. The node times are measured on min(K, cores) ranks at
-once and rank 0's are used (Note [node times measured on ranks at once]); each rank's Timeline is gathered to rank 0
+once, every such rank's rounds pooled (Note [node times measured on ranks at once]), each round followed by an untimed step
+(Note [a step to settle the heap after the node times]); each rank's Timeline is gathered to rank 0
 for ``plan.validate``; a rank adds each micro-batch's parameter gradients inside its backward tasks, so the prediction
 counts those sums in the tasks (``sums_in_tasks``). Writes cost_model_gloo.txt.
 """
@@ -76,6 +77,15 @@ def _zoo_gpt():
     return GPT(vocab=2048, d=128, heads=4, layers=6, block=64, dropout=None), (ids,), {}, lm, ids
 
 
+def _gpt_32k():
+    """benchmarks/cut.py's model: a 32k-token vocabulary on a 256-wide, 8-block GPT, its head untied."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids, target = (torch.randint(0, 32000, (8, 128), generator=g) for _ in range(2))
+    lm = lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return GPT(vocab=32000, d=256, heads=4, layers=8, block=128, dropout=None, tied=False), (ids,), {}, lm, target
+
+
 def _zoo_cnn():
     g = torch.Generator().manual_seed(1)
     return cnn_like(width=16), (torch.randn(32, 3, 32, 32, generator=g),), {}, nn.CrossEntropyLoss(), \
@@ -95,6 +105,7 @@ def _hf(config_of: Callable[[Any], Any], model_of: str):
 CASES = {
     "transformer_like": Case("transformer_like", _zoo_transformer),
     "gpt": Case("gpt", _zoo_gpt),
+    "gpt_32k": Case("gpt_32k", _gpt_32k),
     "cnn": Case("cnn", _zoo_cnn),
     "gpt2": Case("gpt2", _hf(lambda t: t.GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
                                                     bos_token_id=0, eos_token_id=0), "GPT2LMHeadModel")),
@@ -198,16 +209,18 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
                                                    threads=threads,
                                                    peers=0, output_grads=start, split_backward=True))
             dist.barrier()
+            step()  # Note [a step to settle the heap after the node times]
             model.zero_grad(set_to_none=True)
             step()
             events.append(list(pipe.timeline.events))
             makespans.append(pipe.timeline.makespan)
         gathered = [None] * k if rank == 0 else None
-        dist.gather_object((events, makespans), gathered, dst=0)
+        dist.gather_object((events, makespans, measured), gathered, dst=0)
         if rank == 0:
             timelines = [SimpleNamespace(events=[e for got in gathered for e in got[0][i]], schedule=None)
                          for i in range(steps)]
-            prediction = predict_step_time(cost(traced), pipe.plan, median_times(measured), schedule, checkpoint,
+            rounds = [times for got in gathered for times in got[2]]  # every measuring rank's rounds
+            prediction = predict_step_time(cost(traced), pipe.plan, median_times(rounds), schedule, checkpoint,
                                            CHUNKS, link=link,
                                            loss_seconds=loss, cores=cores, sums_in_tasks=True)
             report = pipe.plan.validate(timelines)
@@ -227,8 +240,16 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
 # Note [node times measured on ranks at once]: under K processes each rank has its own interpreter, so workers share
 # the cores and the memory system but no GIL. The node times are measured on min(K, cores) ranks at the same time,
 # each being the others' peer (the rest wait in a barrier, asleep), between the timed steps, so that a drift of the
-# machine's speed reaches the prediction and the measurement alike; rank 0's medians over the rounds predict. Past
-# one rank a core, ``cores`` stretches the tasks by the busy ranks over the cores (Note [workers sharing cores]).
+# machine's speed reaches the prediction and the measurement alike; the medians over every measuring rank's rounds
+# predict. One round on this 2-core VM moved a stage's prediction by 10-20% (two ranks' rounds measured at the same
+# moment differed by as much), so the more rounds the better. Past one rank a core, ``cores`` stretches the tasks by
+# the busy ranks over the cores (Note [workers sharing cores]).
+
+# Note [a step to settle the heap after the node times]: timing the nodes allocates and frees the whole graph's
+# activations and gradients in patterns a step does not, and glibc returns what the timing freed to the OS; the step
+# after it then writes fresh pages. On transformer_like at K=2 (1F1B) the backward tasks took 54-62 ms a step right
+# after the node times and 39-40 ms in steps that followed steps; one untimed step between them puts the heap back in
+# the state a training loop's steps run in.
 
 
 def median_times(rounds: list) -> NodeTimes:
@@ -249,7 +270,8 @@ def main(argv=None) -> int:
     p = _common.parser(__doc__)
     p.add_argument("--models", nargs="+", choices=list(CASES), default=None)
     p.add_argument("--ks", nargs="+", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 9 over gloo, 5 "
+                   "with threads; --quick 2)")
     p.add_argument("--alone", action="store_true", help="node times measured with no peer workers running; tasks "
                    "stretched by busy workers over cores instead (Note [workers sharing cores])")
     p.add_argument("--schedules", nargs="+", default=None, help="only these rows' schedules (default: every row)")
@@ -258,7 +280,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     models = a.models or (["transformer_like"] if a.quick else list(CASES))
     ks = a.ks or ([2] if a.quick else [2, 4])
-    steps, repeats = a.steps or (2 if a.quick else 5), a.repeats or (2 if a.quick else 5)
+    steps = a.steps or (2 if a.quick else 5 if a.transport == "threads" else 9)
+    repeats = a.repeats or (2 if a.quick else 5)
     link = measure_link("threads")
     gloo = measure_link("gloo")
     blocks, rows = [], []
@@ -286,8 +309,8 @@ def main(argv=None) -> int:
                f"{'alone, stretched by busy workers over cores' if a.alone else 'with K - 1 peer threads running the graph'}"]
     else:
         how = [f"K gloo processes on 127.0.0.1 (torchrun's environment), {gloo}",
-               f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured on min(K, cores) ranks at once, "
-               f"rank 0's used, tasks stretched by busy ranks over cores past one rank a core; measured: every rank's "
+               f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured on min(K, cores) ranks at once "
+               f"before each (one untimed step between), every rank's rounds pooled, tasks stretched by busy ranks over cores past one rank a core; measured: every rank's "
                f"Timeline"]
     name = "cost_model" if a.transport == "threads" else "cost_model_gloo"
     head = _common.header(name, [*how, "a stage misses where predicted and measured differ by more than 10%"],

@@ -13,6 +13,8 @@ Rows, per schedule, all measured in one interleaved run (the order rotates every
   planned once on rank 0 and given to every rank as ``balance=plan``;
 - autopipe, even split: the same runtime given the even split's shares of the work (``balance=``): separates the cut
   from the runtime;
+- autopipe, best layer split: the same runtime given the best layer split's shares (K=2): autopipe's cut against
+  the best hand split with the runtime held fixed;
 - pipelining, even split: torch.distributed.pipelining on torchtitan's default split (layers split evenly, the
   embedding and the output head counted as one layer each);
 - pipelining, best layer split: the same on the layer split that measured fastest among every layer split (K=2:
@@ -22,7 +24,8 @@ Printed: tokens/s, each row's speed over the even split (median of per-round rat
 split), the measured bubble (autopipe rows: 1 - mean busy / longest step, from each rank's Timeline), the
 predicted max/mean stage cost (FLOPs of forward and backward per stage, from torch's FlopCounterMode on one
 micro-batch; autopipe's rows from its plan), and one summary line per schedule:
-``cut: <model> K=<k> <schedule>: auto/even <R>x, auto/best-layer <S>x``.
+``cut: <model> K=<k> <schedule>: auto/even <R>x, auto/best-layer <S>x`` (and, the runtime held fixed, autopipe's
+cut over its runtime on the best layer split).
 """
 from __future__ import annotations
 
@@ -171,8 +174,9 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
             measured = [autopipe.plan(build(args), (ids,), devices=k, chunks=args.chunks, schedule=schedule,
                                       checkpoint="never", balance="train_time") if rank == 0 else None]
             dist.broadcast_object_list(measured, src=0)  # one measured cut for every rank
+            given = [("autopipe, best layer split", shares(piece_costs(args, best)))] if k == 2 else []
             for key, balance in (("autopipe", "flops"), ("autopipe, train_time", measured[0]),
-                                 ("autopipe, even split", shares(even_costs))):
+                                 ("autopipe, even split", shares(even_costs)), *given):
                 models[key] = model = build(args)
                 pipes[key] = autopipe.compile(model, chunks=args.chunks, schedule=schedule, balance=balance,
                                               checkpoint="never", example_inputs=(ids,), timeout=600)
@@ -237,14 +241,18 @@ def main() -> None:
                 busy = [g["bubbles"][key][0] for g in got]
                 span = max(g["bubbles"][key][1] for g in got)
                 bubble = f"{1 - statistics.mean(busy) / span:.3f}"
-            split = {"pipelining, even split": ranks[0]["even"], "pipelining, best layer split": best}.get(key)
+            split = {"pipelining, even split": ranks[0]["even"], "pipelining, best layer split": best,
+                     "autopipe, best layer split": best}.get(key)
             rows.append([schedule, key + (f" {split}" if split else ""), f"{tokens / statistics.median(ts):,.0f}",
                          C.fmt_x(ratio[key]), bubble, f"{predicted[key]:.3f}"])
         best_times = times["pipelining, best layer split"]
         for key, label in (("autopipe", ""), ("autopipe, train_time", ' balance="train_time"')):
             s = statistics.median(b / a for a, b in zip(times[key], best_times))
+            own = times.get("autopipe, best layer split")
+            held = f" (the runtime held fixed: {statistics.median(b / a for a, b in zip(times[key], own)):.2f}x)" \
+                if own else ""
             summaries.append(f"cut: {model_name} K={k} {schedule}{label}: auto/even {ratio[key]:.2f}x, "
-                             f"auto/best-layer {s:.2f}x")
+                             f"auto/best-layer {s:.2f}x{held}")
     head = C.header("cut", [
         f"model: GPT(vocab={args.vocab}, d={args.d}, heads={args.heads}, blocks={args.blocks}, untied head), "
         f"batch {args.batch} x seq {args.seq} ({tokens} tokens a step), M={args.chunks}, float32, cross-entropy",

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ class NodeTimes:
     # per trainable parameter (every qualified name it has): seconds to add one micro-batch's gradient to the step's
     # sum in place (Note [a micro-batch's gradients added to the step's])
     accumulate: dict[str, float] = field(default_factory=dict)
+    # per trainable parameter (every name): seconds to copy the step's first gradient into a new tensor, the sum a
+    # torchrun rank makes (Note [a step's first gradient copied to fresh pages])
+    first_sum: dict[str, float] = field(default_factory=dict)
     # B and W as a split schedule runs them (passes/split_times.py): per node, and per node reading parameters
     input_grad_apart: dict[str, float] = field(default_factory=dict)
     weight_apart: dict[str, float] = field(default_factory=dict)
@@ -88,7 +93,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
                 t.start()
             try:
                 whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads, apart)
-                sums = _time_sums(gm, repeats)
+                sums, firsts = _time_sums(gm, repeats)
             finally:
                 stop.set()
                 for t in load:
@@ -101,31 +106,60 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
     scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
     return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
                      input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
-                     forward_scale=scale, peers=peers, accumulate=sums,
+                     forward_scale=scale, peers=peers, accumulate=sums, first_sum=firsts,
                      input_grad_apart=median(apart[0]) if apart else {}, weight_apart=median(apart[1]) if apart else {})
 
 
 # Note [a micro-batch's gradients added to the step's]: a step sums each parameter's gradient over its micro-batches,
 # each one after the first added in place (runtime/gradients.py); a torchrun rank, summing as the engine makes them,
-# also copies the first into the sum's own tensor, so it writes one more. On a CPU that add reads two
-# parameter-sized tensors and writes one: on a small micro-batch it rivals the gradient's own matmul, which a node's
-# backward does not count. Timed here once per parameter, on the worker's threads.
-def _time_sums(gm: fx.GraphModule, repeats: int) -> dict[str, float]:
-    """Median seconds of ``total.add_(grad)`` per trainable parameter of ``gm``, under each of its names."""
-    seconds = {}
-    for param in {id(p): p for p in gm.parameters() if p.requires_grad}.values():
-        if param.device.type == "meta":
-            continue
-        with torch.no_grad():
-            total = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            grad = torch.ones_like(total)
-            runs = []
-            for _ in range(repeats + 1):
+# also copies the first into the sum's own tensor (Note [a step's first gradient copied to fresh pages]). On a CPU
+# that add reads two parameter-sized tensors and writes one: on a small micro-batch it rivals the gradient's own
+# matmul, which a node's backward does not count. Timed here on the worker's threads as a step meets it: in a pass
+# over every parameter, so each sum comes back from as far down the caches as the step's other work left it (timed
+# on one parameter at a time, hot in cache, it measured half that on transformer_like).
+def _time_sums(gm: fx.GraphModule, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per trainable parameter of ``gm``, under each of its names, the median seconds over ``repeats`` passes of
+    ``total.add_(grad)`` and of the first gradient's copy into a new tensor."""
+    params = [p for p in {id(p): p for p in gm.parameters() if p.requires_grad}.values() if p.device.type != "meta"]
+    adds: dict[int, list[float]] = collections.defaultdict(list)
+    copies: dict[int, list[float]] = collections.defaultdict(list)
+    with torch.no_grad():
+        grads = [torch.ones_like(p, memory_format=torch.contiguous_format) for p in params]
+        for round_ in range(repeats + 1):  # the first pass warms up
+            totals = []
+            _heap_returned()
+            for p, grad in zip(params, grads):
+                start = time.perf_counter()
+                totals.append(torch.empty_like(grad).copy_(grad))
+                copies[id(p)].append(time.perf_counter() - start)
+            for p, grad, total in zip(params, grads, totals):
                 start = time.perf_counter()
                 total.add_(grad)
-                runs.append(time.perf_counter() - start)
-        seconds[id(param)] = statistics.median(runs[1:])
-    return {name: seconds[id(p)] for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in seconds}
+                adds[id(p)].append(time.perf_counter() - start)
+            del totals
+    named = [(name, id(p)) for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in adds]
+    median = lambda runs: statistics.median(runs[1:] or runs)
+    return {name: median(adds[i]) for name, i in named}, {name: median(copies[i]) for name, i in named}
+
+
+# Note [a step's first gradient copied to fresh pages]: a training loop frees the step's gradient sums before the
+# next step (``zero_grad(set_to_none=True)``, torch's default), and glibc returns that memory to the OS at its heap's
+# top; the next step's first gradient copies then write fresh pages, a page fault per 4 KiB. On a torchrun rank
+# (transformer_like, K=2) the first copies took 180-200 us each, the later adds 14 us. The copy is timed after
+# ``malloc_trim`` hands glibc's free memory back, as the freed sums were; elsewhere than glibc nothing is trimmed.
+def _heap_returned() -> None:
+    """glibc's free heap memory returned to the OS (``malloc_trim(0)``); nothing where the C library is not glibc."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim if sys.platform.startswith("linux") else False
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None  # glibc's malloc_trim, once looked up; False where there is none
 
 
 # Note [a step's seconds per node]: balance="train_time" weighs each node by what a stage spends on it in a training
@@ -256,11 +290,13 @@ def times_from_flops(costed: CostedGraph, flops_per_second: float) -> NodeTimes:
 
 def measure_loss(loss_fn, outputs, target=None, repeats: int = 3, threads: int | None = None) -> float:
     """Median seconds of ``loss_fn(outputs, target)`` and its backward on one micro-batch's model outputs (the loss
-    ``pipe.step`` runs after the last stage's forward); ``outputs`` are detached first, so nothing else is touched."""
+    ``pipe.step`` runs after the last stage's forward), after two untimed runs; ``outputs`` are detached first, so
+    nothing else is touched. (A 32k-token vocabulary's loss measured 28-140 ms on a process's first call, which writes
+    fresh pages, and 5-10 ms after; a step's losses ran 9 ms each.)"""
     before, seconds = torch.get_num_threads(), []
     torch.set_num_threads(threads or before)
     try:
-        for _ in range(repeats):
+        for _ in range(repeats + 2):
             value = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), outputs)
             grads = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
             start = time.perf_counter()
@@ -271,4 +307,4 @@ def measure_loss(loss_fn, outputs, target=None, repeats: int = 3, threads: int |
             seconds.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(seconds)
+    return statistics.median(seconds[2:])

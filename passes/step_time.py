@@ -34,9 +34,9 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
     function's forward and backward on one micro-batch's outputs) on the last stage; the crossing bytes over ``link``;
     each later micro-batch's parameter gradients added to the step's sum (Note [a micro-batch's gradients added to
     the step's]), inside the task that makes them where ``sums_in_tasks`` (a torchrun rank's runtime adds them as the
-    engine makes them, and copies the first), else after it. ``cores``: CPU workers sharing that many cores (Note
-    [workers sharing cores]). The result is also set as ``plan.step_time``, which ``plan.validate(timeline)``
-    reads."""
+    engine makes them, and copies the first: Note [a step's first gradient copied to fresh pages]), else after it.
+    ``cores``: CPU workers sharing that many cores (Note [workers sharing cores]). The result is also set as
+    ``plan.step_time``, which ``plan.validate(timeline)`` reads."""
     missing = [name for s in plan.stages for name in s.nodes if name not in times.forward]
     if missing:
         raise ValueError(f"the node times are of another graph: {len(missing)} of the plan's nodes have none (first "
@@ -60,6 +60,9 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
                  built.full_backwards for i in range(n)]
         recomputed = [checkpoints(checkpoint, i, n) for i in range(n)]
         added = sum(times.accumulate.get(name, 0.0) for name in s.params)  # one micro-batch's adds to the sums
+        # a rank's copy of the first micro-batch's gradients (Note [a step's first gradient copied to fresh pages])
+        first = sum(times.first_sum.get(name, times.accumulate.get(name, 0.0)) for name in s.params) \
+            if sums_in_tasks and n > 1 else 0.0
         received = _crossing(plan, s.inputs)
         sent = [t for name in s.outputs if (t := plan.tensors.get(name)) is not None and t.consumers]
         stages.append(StageTime(
@@ -69,8 +72,8 @@ def predict_step_time(costed: CostedGraph, plan: Plan, times: NodeTimes, schedul
             weight=stretch * sum(x * w_apart for x, a in zip(scale, apart) if a),
             loss=loss_seconds * sum(scale) if s.index == plan.n_stages - 1 else 0.0,
             send=_moved(link, sent, n), receive=_moved(link, received, n),
-            accumulate=stretch * added * (n if sums_in_tasks and n > 1 else n - 1),
-            accumulate_in_weight=stretch * added * (sum(apart) if sums_in_tasks and n > 1 else sum(apart[1:])),
+            accumulate=stretch * (added * (n - 1) + first),
+            accumulate_in_weight=stretch * (added * sum(apart[1:]) + first * apart[0]),
             sums_in_tasks=sums_in_tasks))
     prediction = PredictedStepTime(stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint,
                                    n_devices=built.n_devices, bubble=built.bubble_fraction, link=link,

@@ -67,7 +67,8 @@ def test_gpu_benchmark_tiny_on_cpu_workers(tmp_path):
 
 def test_cost_model_quick_validates_a_split_schedule_over_gloo_processes(tmp_path):
     """benchmarks/cost_model.py over K gloo processes: every rank's Timeline reaches rank 0's plan.validate, and the
-    gradient sums a rank adds inside its tasks are predicted there (no 'accumulate' among the untimed terms)."""
+    gradient sums a rank adds inside its tasks are predicted there (no 'accumulate' among the untimed terms), and the
+    loss, a task of the last rank's, is compared."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, str(ROOT / "benchmarks" / "cost_model.py"), "--quick", "--transport", "gloo",
                "--schedules", "zb-h1", "--results-dir", str(tmp_path)]
@@ -93,4 +94,5 @@ def test_cost_model_quick_validates_a_split_schedule_over_gloo_processes(tmp_pat
     rows = [line.split() for line in predicted.splitlines() if re.match(r"^ +[01] +[01] ", line)]
     assert len(rows) == 2 and all(float(r[columns.index("accumulate")]) > 0 for r in rows)  # the sums, priced
     assert "accumulate" not in report  # inside the rank's tasks: compared in their terms, not listed apart
+    assert "loss (ms)" in report and "loss" not in report.split("not in the Timeline's tasks")[-1]  # compared
     assert (tmp_path / "cost_model_gloo-quick.txt").read_text().strip() == out.strip()

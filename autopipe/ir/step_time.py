@@ -10,8 +10,8 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from tabulate import tabulate
 
-# the Timeline's kinds, in the order a task runs them, and the prediction's term for each
-TIMED = {"forward": "forward", "recompute": "recompute", "backward": "backward", "weight": "weight"}
+# the Timeline's kinds, in the order a task runs them, and the prediction's term for each (the loss: pipe.step's)
+TIMED = {"forward": "forward", "recompute": "recompute", "backward": "backward", "weight": "weight", "loss": "loss"}
 MISS = 0.10  # a stage whose measured time differs from the prediction by more than this share is a miss
 
 
@@ -40,9 +40,10 @@ SAME_DEVICE = Link(bandwidth=math.inf, latency=0.0, how="one device in process: 
 @dataclass(frozen=True)
 class StageTime:
     """One stage's predicted seconds in one step, summed over its micro-batches, by term. ``backward`` is B (input
-    gradients) where the schedule runs W apart, else the whole fused backward; ``weight`` is W then, else 0. ``loss``
-    (the loss function on the last stage's outputs), ``send`` and ``receive`` (its crossing bytes over the link,
-    forward values and backward gradients) are not in a Timeline's tasks: predicted, shown, not compared."""
+    gradients) where the schedule runs W apart, else the whole fused backward; ``weight`` is W then, else 0. ``loss``:
+    the loss function on the last stage's outputs, forward and backward (a Timeline task of ``pipe.step``'s). ``send``
+    and ``receive`` (its crossing bytes over the link, forward values and backward gradients) are not in a Timeline's
+    tasks: predicted, shown, not compared."""
 
     stage: int
     device: int
@@ -63,8 +64,8 @@ class StageTime:
     @property
     def timed(self) -> float:
         """What the Timeline's tasks of this stage add up to."""
-        return self.forward + self.recompute + self.backward + self.weight + (self.accumulate if self.sums_in_tasks
-                                                                              else 0.0)
+        return self.forward + self.recompute + self.backward + self.weight + self.loss + (
+            self.accumulate if self.sums_in_tasks else 0.0)
 
     def term(self, kind: str) -> float:
         """The predicted seconds of a Timeline kind's tasks: its term, with the gradient sums the task adds."""
@@ -75,7 +76,7 @@ class StageTime:
 
     @property
     def total(self) -> float:
-        return self.timed + self.loss + self.send + self.receive + (0.0 if self.sums_in_tasks else self.accumulate)
+        return self.timed + self.send + self.receive + (0.0 if self.sums_in_tasks else self.accumulate)
 
 
 class Timed(Protocol):  # what validate reads of a runtime Timeline
@@ -161,7 +162,8 @@ class Validation:
         return [c for c in self.checks if c.missed]
 
     def __str__(self) -> str:
-        terms = [t for t in TIMED.values() if any(c.predicted[t] or c.measured[t] for c in self.checks)]
+        compared = self.checks[0].predicted if self.checks else {}
+        terms = [t for t in compared if any(c.predicted[t] or c.measured[t] for c in self.checks)]
         rows = []
         for c in self.checks:
             cells = [f"{_ms(c.predicted[t])} / {_ms(c.measured[t])}" for t in terms]
@@ -172,7 +174,7 @@ class Validation:
         p = self.prediction
         untimed = ", ".join(f"stage {s.stage} {name} {_ms(getattr(s, name))} ms" for s in p
                             for name in ("loss", "send", "receive", "accumulate") if getattr(s, name)
-                            and not (name == "accumulate" and s.sums_in_tasks))
+                            and name not in compared and not (name == "accumulate" and s.sums_in_tasks))
         devices = sorted({c.device for c in self.checks})
         per_device = ", ".join(
             f"{d}: {_ms(sum(sum(c.predicted.values()) for c in self.checks if c.device == d))} / "
@@ -195,16 +197,19 @@ def validate(prediction: PredictedStepTime, timelines: Timed | Sequence[Timed]) 
     if not timelines or not all(t.events for t in timelines):
         raise ValueError("a timeline has no tasks: run a step (pipe.step or a forward and backward) before "
                          "validating the plan's predicted step time against it")
+    # the loss is a task of pipe.step's alone: after pipe(x) and the caller's own backward it is not the stages'
+    terms = [t for kind, t in TIMED.items() if kind != "loss" or any(e.kind == "loss" for tl in timelines
+                                                                     for e in tl.events)]
     steps = []
     for timeline in timelines:
-        measured = {(s.stage, term): 0.0 for s in prediction for term in TIMED.values()}
+        measured = {(s.stage, term): 0.0 for s in prediction for term in terms}
         for e in timeline.events:
             if (e.stage, TIMED.get(e.kind)) in measured:
                 measured[e.stage, TIMED[e.kind]] += e.end - e.start
         steps.append(measured)
     median = {key: statistics.median(step[key] for step in steps) for key in steps[0]}
-    checks = [StageCheck(s.stage, s.device, {t: s.term(t) for t in TIMED.values()},
-                         {t: median[s.stage, t] for t in TIMED.values()}) for s in prediction]
+    checks = [StageCheck(s.stage, s.device, {t: s.term(t) for t in terms}, {t: median[s.stage, t] for t in terms})
+              for s in prediction]
     return Validation(checks, prediction, len(timelines))
 
 

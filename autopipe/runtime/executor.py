@@ -57,8 +57,10 @@ def _run_in_order(tasks, runners, transport: Transport, step: StepState, loss, s
                 if task.kind == "F":
                     transport.send_outputs(task.stage, i, runner.forward(step, i, *transport.inputs(task.stage, i)))
                     if loss is not None and task.stage == loss.last_stage:
+                        begun = step.timeline.begin(runner.stage.device)
                         with step.ambient.entered(runner.stage.device):
                             loss.run(i, transport)
+                        step.timeline.end(begun, task.stage, i, "loss", runner.stage.device)
                 elif task.kind == "B":
                     runner.rematerialise(step, i)  # needs only the saved inputs: before waiting for gradients
                     grads = transport.output_grads(task.stage, i)

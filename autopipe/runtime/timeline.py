@@ -12,13 +12,14 @@ import torch
 
 from autopipe.ir.schedule import Schedule
 
-_MARK = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W"}
+_MARK = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W", "loss": "L"}
 
 
 class Event(NamedTuple):
     stage: int
     micro_batch: int
-    kind: str          # "forward", "recompute", "backward" or "weight" (W: parameter gradients, split schedules)
+    kind: str          # "forward", "recompute", "backward", "weight" (W: parameter gradients, split schedules) or
+    # "loss" (pipe.step's loss function on the last stage's outputs, forward and backward)
     start: float       # seconds, time.perf_counter()
     end: float
 
@@ -77,10 +78,11 @@ class Timeline:
         return sum(e.end - e.start for e in self.device_events(device))
 
     def ran(self, device: int) -> list[str]:
-        """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>, W<i>; R<i> a recompute)."""
+        """The device's tasks as they ran, in the schedule's notation (F<i>, B<i>, W<i>; R<i> a recompute; the loss,
+        no task of the schedule's, left out)."""
         suffix = self.schedule.virtual_stages > 1
         return [f"{_MARK[e.kind]}{e.micro_batch}" + (f".{e.stage}" if suffix else "")
-                for e in self.device_events(device)]
+                for e in self.device_events(device) if e.kind != "loss"]
 
     def held(self, stage: int) -> int:
         """Most micro-batches whose forward ran on ``stage`` and whose graph was not yet freed, as it ran: freed by
@@ -119,8 +121,9 @@ class Timeline:
                 f"micro-batches{f', {s.virtual_stages} stages per device' if s.virtual_stages > 1 else ''}, "
                 f"{1e3 * self.makespan:.1f} ms",
                 f"  a task is drawn as F (forward), R (recompute), B "
-                f"(backward){', W (parameter gradients)' if s.splits_backward else ''} then its micro-batch (mod 10) "
-                f"repeated over its time; '.' idle"]
+                f"(backward){', W (parameter gradients)' if s.splits_backward else ''}"
+                f"{', L (the loss)' if any(e.kind == 'loss' for e in self.events) else ''} then its micro-batch "
+                f"(mod 10) repeated over its time; '.' idle"]
         for d in range(s.n_devices):
             cells = ["."] * width
             for e in self.device_events(d):

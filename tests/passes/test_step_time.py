@@ -79,7 +79,7 @@ def timeline_of(prediction, plan, scale: dict) -> Timeline:
     """A timeline whose tasks take the predicted time, times ``scale[(stage, kind)]`` where given."""
     timeline, clock = Timeline(Schedule.build("1f1b", plan.n_stages, prediction.chunks)), 0.0
     for s in prediction:
-        for kind in ("forward", "recompute", "backward", "weight"):
+        for kind in ("forward", "recompute", "backward", "weight", "loss")[:5 if s.loss else 4]:
             seconds = s.term(kind) * scale.get((s.stage, kind), 1.0) / prediction.chunks
             for i in range(prediction.chunks):
                 timeline._events.append(Event(s.stage, i, kind, clock, clock + seconds))
@@ -121,9 +121,18 @@ def test_measured_times_leave_the_model_as_it_was_and_validate_a_real_step():
     assert measure_loss(lambda out, t: out.pow(2).mean(), model(x[:2]).detach(), repeats=1) > 0
     pipe = autopipe.compile(model, 2, 4, example_inputs=(x,), schedule="1f1b")
     pipe.step(x, target=None, loss_fn=lambda out, t: out.pow(2).mean())
-    predict_step_time(costed, pipe.plan, times, "1f1b", "except_last")
+    predict_step_time(costed, pipe.plan, times, "1f1b", "except_last", loss_seconds=1e-3)
     report = pipe.plan.validate(pipe.timeline)
     assert [c.stage for c in report.checks] == [0, 1] and all(c.measured["forward"] > 0 for c in report.checks)
+    # pipe.step's loss is a task of the last stage's, once per micro-batch, compared with its prediction
+    assert [e.micro_batch for e in pipe.timeline.events if e.kind == "loss"] == [0, 1, 2, 3]
+    assert all(e.stage == 1 for e in pipe.timeline.events if e.kind == "loss")
+    assert report.checks[1].measured["loss"] > 0 == report.checks[0].measured["loss"]
+    assert report.checks[1].predicted["loss"] == pytest.approx(4e-3) and "loss (ms)" in str(report)
+    # with no loss task (GPipe's pipe(x), the caller's own loss and backward) the loss is named, not compared
+    tasks = dataclasses.replace(pipe.timeline, _events=[e for e in pipe.timeline.events if e.kind != "loss"])
+    report = pipe.plan.validate(tasks)
+    assert "loss" not in report.checks[1].measured and "stage 1 loss 4.00 ms" in str(report)
 
 
 def test_link_by_ping_pong():
@@ -156,19 +165,21 @@ def test_a_backward_is_timed_from_the_losss_own_gradient_where_a_loss_is_given()
 def test_each_later_micro_batchs_gradients_are_summed_in_the_task_that_makes_them_on_a_rank():
     """Each micro-batch after the first adds every parameter of its stage once (Note [a micro-batch's gradients added
     to the step's]); on a torchrun rank inside the task that makes the gradients (the fused backward, else W), and
-    the first copied too; in process after the task (untimed, printed)."""
+    the first copied too, at its own price (Note [a step's first gradient copied to fresh pages]); in process after
+    the task (untimed, printed)."""
     _, _, costed, plan = planned(n_stages=2, chunks=4)
     names = [name for name, _ in costed.traced.graph_module.named_parameters()]
-    times = dataclasses.replace(stated_times(costed, rows=2), accumulate={name: 1e-4 for name in names})
+    times = dataclasses.replace(stated_times(costed, rows=2), accumulate={name: 1e-4 for name in names},
+                                first_sum={name: 5e-4 for name in names})
     after = predict_step_time(costed, plan, times, "zb-h1", "never")
     inside = predict_step_time(costed, plan, times, "zb-h1", "never", sums_in_tasks=True)
     for s, a, i in zip(plan.stages, after, inside):
         assert a.accumulate == pytest.approx(3 * len(s.params) * 1e-4)  # micro-batches 1, 2 and 3
-        assert i.accumulate == pytest.approx(4 * len(s.params) * 1e-4)  # and the first, copied
+        assert i.accumulate == pytest.approx(3 * len(s.params) * 1e-4 + len(s.params) * 5e-4)  # and the first, copied
         assert a.term("backward") == a.backward and a.timed == pytest.approx(a.forward + a.backward + a.weight)
-        assert a.total == pytest.approx(a.timed + a.loss + a.send + a.receive + a.accumulate)
+        assert a.total == pytest.approx(a.timed + a.send + a.receive + a.accumulate)
         assert i.timed == pytest.approx(i.forward + i.backward + i.weight + i.accumulate)
-        assert i.total == pytest.approx(a.total + len(s.params) * 1e-4)
+        assert i.total == pytest.approx(a.total + len(s.params) * 5e-4)
     # stage 0 fuses B and W (no float input): its sums land in its backward; stage 1's in its W
     assert inside[0].term("backward") == pytest.approx(inside[0].backward + inside[0].accumulate)
     assert inside[1].term("backward") == inside[1].backward
@@ -194,8 +205,8 @@ def test_measured_sums_cover_every_name_of_a_trainable_parameter_and_leave_grads
         p.grad = held[name]
     times = measure_node_times(gm, [ids], repeats=1, threads=1)
     names = [name for name, _ in gm.named_parameters(remove_duplicate=False)]
-    assert len(names) > len(held) and set(times.accumulate) == set(names)
-    assert all(seconds > 0 for seconds in times.accumulate.values())
+    assert len(names) > len(held) and set(times.accumulate) == set(names) == set(times.first_sum)
+    assert all(seconds > 0 for seconds in [*times.accumulate.values(), *times.first_sum.values()])
     for name, p in gm.named_parameters():
         assert p.grad is held[name] and bool((p.grad == 3.0).all())
 
