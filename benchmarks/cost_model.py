@@ -130,7 +130,8 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
     step()  # compiles
     traced = trace(model, args, kwargs)
     threads = pipe.intra_op_threads
-    micro, start, loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats, threads)
+    micro, start, time_loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, threads)
+    loss = time_loss(repeats)
     times = measure_node_times(traced.graph_module, micro, repeats=repeats, threads=threads, peers=0 if alone else k - 1,
                                output_grads=start, split_backward=True)
     prediction = predict_step_time(cost(traced), pipe.plan, times, schedule, checkpoint, CHUNKS, link=link,
@@ -147,23 +148,19 @@ def measure(case: Case, k: int, schedule: str, checkpoint: str, steps: int, repe
                  f"{k} CPU worker threads")
 
 
-def one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats: int, threads: int,
-                    time_loss: bool = True) -> tuple:
+def one_micro_batch(traced, model, args, kwargs, loss_fn, target, threads: int) -> tuple:
     """The traced graph's flat inputs cut to one micro-batch, the gradient its timed backwards start from (the loss's,
-    where a loss function is given) and the loss function's seconds on one micro-batch's outputs (0 without one, or
-    without ``time_loss``)."""
+    where a loss function is given), and ``time_loss(repeats)``: the loss function's seconds on one micro-batch's
+    outputs (0 without one)."""
     batch, rows = traced.batch_size, traced.batch_size // CHUNKS
     micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
              for t in traced.flat_inputs(args, kwargs)]
     if loss_fn is None:
-        return micro, None, 0.0
+        return micro, None, lambda repeats: 0.0
     start = loss_gradients(loss_fn, target[:rows], traced.rebuild_output)
-    if not time_loss:
-        return micro, start, 0.0
     with torch.no_grad():
         out = model(*(a[:rows] for a in args))
-    loss = measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
-    return micro, start, loss
+    return micro, start, lambda repeats: measure_loss(loss_fn, out, target[:rows], repeats=repeats, threads=threads)
 
 
 def _rows(name, k, schedule, checkpoint, threads, n_stages, prediction, report, makespan, workers) -> tuple:
@@ -194,20 +191,20 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
         case = CASES[name]
         model, args, kwargs, loss_fn, target = case.build()
         traced = trace(copy.deepcopy(model), args, kwargs)  # timed between steps: compile leaves a rank its stages
-        micro, start, loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, repeats, threads,
-                                             time_loss=rank == 0)
+        micro, start, time_loss = one_micro_batch(traced, model, args, kwargs, loss_fn, target, threads)
         pipe = autopipe.compile(model, chunks=CHUNKS, example_inputs=args, example_kwargs=kwargs, schedule=schedule,
                                 checkpoint=checkpoint, timeout=600)
         step = lambda: pipe.step(*args, target=target, loss_fn=loss_fn, **kwargs)
         step()
         step()
-        events, makespans, measured = [], [], []
+        events, makespans, measured, losses = [], [], [], []
         for _ in range(steps):  # Note [node times measured on ranks at once]
             dist.barrier()
             if rank < min(k, cores):
                 measured.append(measure_node_times(traced.graph_module, micro, repeats=max(1, repeats // steps),
                                                    threads=threads,
                                                    peers=0, output_grads=start, split_backward=True))
+                losses.append(time_loss(1))
             dist.barrier()
             step()  # Note [a step to settle the heap after the node times]
             model.zero_grad(set_to_none=True)
@@ -215,11 +212,12 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
             events.append(list(pipe.timeline.events))
             makespans.append(pipe.timeline.makespan)
         gathered = [None] * k if rank == 0 else None
-        dist.gather_object((events, makespans, measured), gathered, dst=0)
+        dist.gather_object((events, makespans, measured, losses), gathered, dst=0)
         if rank == 0:
             timelines = [SimpleNamespace(events=[e for got in gathered for e in got[0][i]], schedule=None)
                          for i in range(steps)]
             rounds = [times for got in gathered for times in got[2]]  # every measuring rank's rounds
+            loss = statistics.median(seconds for got in gathered for seconds in got[3])
             prediction = predict_step_time(cost(traced), pipe.plan, median_times(rounds), schedule, checkpoint,
                                            CHUNKS, link=link,
                                            loss_seconds=loss, cores=cores, sums_in_tasks=True)
@@ -240,8 +238,8 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
 # Note [node times measured on ranks at once]: under K processes each rank has its own interpreter, so workers share
 # the cores and the memory system but no GIL. The node times are measured on min(K, cores) ranks at the same time,
 # each being the others' peer (the rest wait in a barrier, asleep), between the timed steps, so that a drift of the
-# machine's speed reaches the prediction and the measurement alike; the medians over every measuring rank's rounds
-# predict. One round on this 2-core VM moved a stage's prediction by 10-20% (two ranks' rounds measured at the same
+# machine's speed reaches the prediction and the measurement alike (the loss function is timed in each round too);
+# the medians over every measuring rank's rounds predict. One round on this 2-core VM moved a stage's prediction by 10-20% (two ranks' rounds measured at the same
 # moment differed by as much), so the more rounds the better. Past one rank a core, ``cores`` stretches the tasks by
 # the busy ranks over the cores (Note [workers sharing cores]).
 
