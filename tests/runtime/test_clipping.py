@@ -62,5 +62,7 @@ def test_clipping_in_process_is_the_plain_models(schedule, norm_type):
         opt.step()
         opt.zero_grad()
         assert loss.item() == pytest.approx(losses[k], rel=1e-12)
+    # after three AdamW steps: Adam divides by each gradient's own root mean square, so a parameter whose gradient is
+    # near 0 carries the sums' last-bit differences into its update at lr's scale (2.5e-12 measured on an AMD EPYC)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p, params[name], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p, params[name], rtol=1e-10, atol=1e-11)
