@@ -69,14 +69,14 @@ class NodeTimes:
 
 def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, threads: int | None = None,
                        peers: int = 0, output_grads: Callable[[list], Sequence] | None = None,
-                       split_backward: bool = False) -> NodeTimes:
+                       split_backward: bool = False, sums: bool = True) -> NodeTimes:
     """Time every call node of ``gm`` on ``inputs`` (one micro-batch): forward, backward, and backward to the inputs
     only, on ``threads`` intra-op threads (a CPU worker's: cores // workers; None: torch's), while ``peers`` threads
     run the graph's forward meanwhile (Note [workers sharing cores]). The backward starts from ``output_grads`` of
     the graph's outputs (``loss_gradients``: the loss's, Note [a backward's speed depends on its values]; None:
     ones). ``split_backward``: also time each node's B and W as a split schedule runs them (Note [B and W timed
-    apart]). Buffers, RNG, the thread count and the parameters' ``requires_grad`` and ``.grad`` are left as they
-    were."""
+    apart]). ``sums``: also time the parameters' gradient sums (Note [a micro-batch's gradients added to the step's]).
+    Buffers, RNG, the thread count and the parameters' ``requires_grad`` and ``.grad`` are left as they were."""
     forward: dict[str, list[float]] = collections.defaultdict(list)
     backward: dict[str, list[float]] = collections.defaultdict(list)
     input_grad: dict[str, list[float]] = collections.defaultdict(list)
@@ -93,7 +93,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
                 t.start()
             try:
                 whole = _time_all(gm, inputs, repeats, forward, backward, input_grad, params, output_grads, apart)
-                sums, firsts = _time_sums(gm, repeats)
+                added, firsts = _time_sums(gm, repeats) if sums else ({}, {})
             finally:
                 stop.set()
                 for t in load:
@@ -106,7 +106,7 @@ def measure_node_times(gm: fx.GraphModule, inputs: Sequence, repeats: int = 3, t
     scale = whole / sum(forward_s.values()) if sum(forward_s.values()) else 1.0  # Note [the interpreter's share]
     return NodeTimes(forward={k: v * scale for k, v in forward_s.items()}, backward=median(backward),
                      input_grad=median(input_grad), rows=rows, repeats=repeats, threads=threads or before,
-                     forward_scale=scale, peers=peers, accumulate=sums, first_sum=firsts,
+                     forward_scale=scale, peers=peers, accumulate=added, first_sum=firsts,
                      input_grad_apart=median(apart[0]) if apart else {}, weight_apart=median(apart[1]) if apart else {})
 
 
@@ -125,7 +125,7 @@ def _time_sums(gm: fx.GraphModule, repeats: int) -> tuple[dict[str, float], dict
     copies: dict[int, list[float]] = collections.defaultdict(list)
     with torch.no_grad():
         grads = [torch.ones_like(p, memory_format=torch.contiguous_format) for p in params]
-        for round_ in range(repeats + 1):  # the first pass warms up
+        for _ in range(repeats + 1):  # the first pass warms up
             totals = []
             _heap_returned()
             for p, grad in zip(params, grads):
@@ -173,7 +173,8 @@ def train_seconds(gm: fx.GraphModule, inputs: Sequence, workers: int, on_cpu: bo
     """Per call node of ``gm``, the measured seconds of one micro-batch's training step on one of ``workers`` stage
     workers (Note [a step's seconds per node])."""
     threads = max(1, (os.cpu_count() or 1) // workers) if on_cpu else None
-    times = measure_node_times(gm, inputs, repeats=3, threads=threads, peers=workers - 1 if on_cpu else 0)
+    times = measure_node_times(gm, inputs, repeats=3, threads=threads, peers=workers - 1 if on_cpu else 0,
+                               sums=False)  # the cut weighs nodes; the sums are the parameters'
     again = 1.0 if recompute else 0.0
     return {name: (1.0 + again) * f + times.backward.get(name, 0.0) for name, f in times.forward.items()}
 
