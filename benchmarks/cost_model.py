@@ -21,9 +21,9 @@ benchmarks/results/cost_model.txt (cost_model-quick.txt with --quick) under a he
 
 ``--transport gloo`` runs each row as K gloo processes on 127.0.0.1 with torchrun's environment, one stage (two
 under zbv) a rank: workers then share the cores but no GIL. The node times are measured on min(K, cores) ranks at
-once, every such rank's rounds pooled (Note [node times measured on ranks at once]), each round followed by an untimed step
-(Note [a step to settle the heap after the node times]); each rank's Timeline is gathered to rank 0
-for ``plan.validate``; a rank adds each micro-batch's parameter gradients inside its backward tasks, so the prediction
+once, every such rank's rounds pooled (Note [node times measured on ranks at once]), each round followed by an
+untimed step (Note [a step to settle the heap after the node times]); each rank's Timeline is gathered to rank 0 for
+``plan.validate``; a rank adds each micro-batch's parameter gradients inside its backward tasks, so the prediction
 counts those sums in the tasks (``sums_in_tasks``). Writes cost_model_gloo.txt.
 """
 from __future__ import annotations
@@ -239,8 +239,8 @@ def rank_main(rank: int, k: int, port: int, name: str, schedule: str, checkpoint
 # the cores and the memory system but no GIL. The node times are measured on min(K, cores) ranks at the same time,
 # each being the others' peer (the rest wait in a barrier, asleep), between the timed steps, so that a drift of the
 # machine's speed reaches the prediction and the measurement alike (the loss function is timed in each round too);
-# the medians over every measuring rank's rounds predict. One round on this 2-core VM moved a stage's prediction by 10-20% (two ranks' rounds measured at the same
-# moment differed by as much), so the more rounds the better. Past one rank a core, ``cores`` stretches the tasks by
+# the medians over every measuring rank's rounds predict. One round on this 2-core VM moved a stage's prediction by
+# 10-20% (two ranks' rounds measured at the same moment differed by as much), so the more rounds the better. Past one rank a core, ``cores`` stretches the tasks by
 # the busy ranks over the cores (Note [workers sharing cores]).
 
 # Note [a step to settle the heap after the node times]: timing the nodes allocates and frees the whole graph's
@@ -308,8 +308,8 @@ def main(argv=None) -> int:
     else:
         how = [f"K gloo processes on 127.0.0.1 (torchrun's environment), {gloo}",
                f"M={CHUNKS}, {steps} timed steps after 2 warm-up; node times measured on min(K, cores) ranks at once "
-               f"before each (one untimed step between), every rank's rounds pooled, tasks stretched by busy ranks over cores past one rank a core; measured: every rank's "
-               f"Timeline"]
+               f"before each (one untimed step between), every rank's rounds pooled, tasks stretched by busy ranks "
+               f"over cores past one rank a core; measured: every rank's Timeline"]
     name = "cost_model" if a.transport == "threads" else "cost_model_gloo"
     head = _common.header(name, [*how, "a stage misses where predicted and measured differ by more than 10%"],
                           quick=a.quick)
