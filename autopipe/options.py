@@ -72,13 +72,23 @@ class Options:
     @classmethod
     def make(cls, devices: Sequence[torch.device], **options: Any) -> "Options":
         """Options for K ``devices``: stage s of the K x virtual_stages stages runs on devices[s % K] (zbv: device d
-        holds stages d and 2K-1-d, so the partitioner cuts 2K stages and balances them)."""
+        holds stages d and 2K-1-d, so the partitioner cuts 2K stages and balances each device's sum)."""
         checked, K = cls(tuple(devices), **options), len(devices)
         if checked.streams and len(checked.streams) != K:
             raise ValueError(f"Options.make: {len(checked.streams)} streams for {K} devices")
         where = [device_of_stage(checked.schedule, K, s) for s in range(K * checked.virtual_stages)]
         return replace(checked, devices=tuple(devices[d] for d in where),
                        streams=tuple(checked.streams[d] for d in where) if checked.streams else ())
+
+
+def stage_holders(options: Options) -> tuple[int, ...] | None:
+    """The device (0..K-1) of each of ``options``' stages where a device holds several (the partitioner balances
+    their sum: Note [stages balanced as their device's sum]); None where each stage has its own."""
+    n_stages = len(options.devices)
+    if options.virtual_stages < 2 or n_stages % options.virtual_stages:
+        return None
+    K = n_stages // options.virtual_stages
+    return tuple(device_of_stage(options.schedule, K, s) for s in range(n_stages))
 
 
 def as_tuple(inputs: Any) -> tuple:

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from autopipe.cuda_graphs_option import graphs_planned
 from autopipe.global_state import autocast_cache_off, preserved_global_state
 from autopipe.ir.plan import Plan
-from autopipe.options import Options
+from autopipe.options import Options, stage_holders
 from autopipe.passes.batch_mixing import refuse_batch_mixing_outputs
 from autopipe.passes.codegen import codegen
 from autopipe.passes.cost import cost
@@ -64,7 +64,7 @@ def run_passes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
             plan = partition(costed, len(options.devices), devices=options.devices, chunks=options.chunks, notes=notes,
                              balance="flops" if given is not None else options.balance, tolerance=options.tolerance,
                              memory_cap=options.memory_cap, analysis=analysis, cut_of=cut_of or given,
-                             crossing_price=options.crossing_price)
+                             crossing_price=options.crossing_price, holders=stage_holders(options))
             if given is not None:  # the shares printed are FLOPs'; the cut is the given plan's
                 plan.notes.append(f"the cut is the given plan's (balanced by {given.balance})")
             plan.pass_seconds = progress.seconds  # the running dict: later passes' seconds join it

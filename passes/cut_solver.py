@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from .kept_ranges import KeptRanges
+from .shared_devices import balance_devices
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class CutProblem:
     memory_cap: float | None = None  # per-stage cap on the memory above
     # each entry: (first, last) ranges of nodes that share a node; one stage holds at least one of them whole
     kept_whole: Sequence[Sequence[tuple[int, int]]] = ()
+    v_devices: int = 0  # K: the 2K stages lie in a V, balanced as each device's two (passes/shared_devices.py)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,9 @@ def solve_cuts(problem: CutProblem) -> CutSolution:
     plan = _fewest_crossings(chain, bound, chain.kept)
     if plan is None:
         _raise_cut_through_kept(chain, problem, bound, optimum)
+    if problem.v_devices:  # Note [stages balanced as their device's sum]
+        plan = balance_devices(plan, problem.v_devices, problem.weights, chain.cost, lambda a, b: (chain.memory_end[a]
+                               >= b) & _keeps(chain.kept, a, b), chain.cut_keys()[0], problem.tolerance).starts
     return chain.solution(plan, optimum)
 
 

@@ -21,6 +21,7 @@ from .diagnostics import node_where
 from .inplace_writes import InPlaceWrites, ReadAfterWrite, find_inplace_writes
 from .kept_ranges import KeptRanges
 from .priced_cuts import solve_priced_cuts
+from .shared_devices import v_holders
 from .microbatch_analysis import MicroBatchAnalysis, analyse_micro_batches
 from .microbatch_analysis.facts import is_inplace, rows_per_sample
 
@@ -30,7 +31,7 @@ __all__ = ["partition", "NoFeasiblePlan", "CutProblem", "CutSolution", "solve_cu
 def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.device] | None = None, chunks: int = 1,
               balance: str | Sequence[float] = "flops", tolerance: float = 0.03, memory_cap: float | None = None,
               notes: Sequence[str] = (), analysis: MicroBatchAnalysis | None = None,
-              cut_of: Plan | None = None, crossing_price: float = 0.0) -> Plan:
+              cut_of: Plan | None = None, crossing_price: float = 0.0, holders: Sequence[int] | None = None) -> Plan:
     """``n_stages`` contiguous stages of ``costed``'s graph. ``analysis``: the micro-batch analysis of its graph (run
     here where not given). Raises NoFeasiblePlan naming an in-place write where no cut within ``tolerance`` keeps it
     in one stage with the reads that must see it. ``cut_of``: a plan of the same model traced at other input shapes:
@@ -39,7 +40,9 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     "time" (measured forward seconds), "train_time" (measured seconds of a training step: ``costed.train_seconds``)
     or per-stage shares.
     ``crossing_price``: what a byte live across a cut costs each of its two stages, in the balance's units
-    (passes/step_time.py's ``crossing_price`` from a link); 0: bytes only break ties within the tolerance."""
+    (passes/step_time.py's ``crossing_price`` from a link); 0: bytes only break ties within the tolerance.
+    ``holders``: the device of each stage where some hold several; a V's (zbv, DualPipeV) are balanced as each
+    device's sum (Note [stages balanced as their device's sum]), others per stage; None: a device a stage."""
     gm = costed.traced.graph_module
     every = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").args[0] if isinstance(a, fx.Node)]
@@ -77,7 +80,7 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
         solution = _solve_keeping_writes(CutProblem(
             weights=weights, out_bytes=out_bytes, consumers=consumers, n_stages=n_stages, tolerance=tolerance,
             shared_memory=shared, memory_cap=memory_cap, activation_multiplier=float(chunks),
-            kept_whole=[ranges for ranges, _ in kept]), kept, crossing_price)
+            kept_whole=[ranges for ranges, _ in kept], v_devices=_v_devices(holders)), kept, crossing_price)
         starts, optimum = list(solution.starts), solution.optimum
     else:
         starts, optimum = _split_by_shares(weights, list(balance), n_stages), float("nan")
@@ -90,10 +93,20 @@ def partition(costed: CostedGraph, n_stages: int, *, devices: Sequence[torch.dev
     plan = _build_plan(costed, stage_of, free, weight_of, n_stages, devices, chunks, balance, tolerance, optimum,
                        outputs, analysis)
     plan.crossing_price = crossing_price
+    plan.holders = tuple(holders or ())
     plan.notes.extend(notes)
     if chunks > 1:
         plan.notes.extend(analysis.merge_notes(name for name, info in plan.tensors.items() if info.is_output))
     return plan
+
+
+def _v_devices(holders: Sequence[int] | None) -> int:
+    """K where ``holders`` lay 2K stages out in a V (balanced as device sums), else 0: other layouts (interleaved's
+    round robin) are balanced per stage."""
+    if not holders:
+        return 0
+    K = max(holders) + 1
+    return K if tuple(holders) == v_holders(K) and K > 1 else 0
 
 
 def _starts_as(cut_of: Plan, order: list[fx.Node], groups: dict[fx.Node, list[fx.Node]],

@@ -21,6 +21,7 @@ import numpy as np
 
 from .cut_solver import CutProblem, CutSolution, NoCutKeepsWhole, live_across_positions, validated_size
 from .kept_ranges import KeptRanges
+from .shared_devices import balance_devices
 
 
 class _Priced:
@@ -144,6 +145,9 @@ def solve_priced_cuts(problem: CutProblem, crossing_price: float) -> CutSolution
                               f"stage; the least priced bottleneck of a plan that keeps them all is {least:g}", entry,
                               least, optimum)
     plan = chain.fewest(least, chain.kept)
+    if problem.v_devices:  # Note [stages balanced as their device's sum]; Note [a priced tolerance]
+        plan = balance_devices(plan, problem.v_devices, problem.weights, lambda a, b: chain.u[b] - chain.v[a],
+                               chain.kept.allows, chain.keys, 0.0).starts
     costs = chain.costs(plan)
     cuts = np.asarray(plan[1:], dtype=int)
     return CutSolution(starts=tuple(int(a) for a in plan), stage_costs=tuple(float(c) for c in costs),

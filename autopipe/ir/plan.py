@@ -96,6 +96,7 @@ class Plan:
     cuda_graphs: CaptureReport | None = None  # cuda_graphs=True: each stage captured or eager, and why
     crossing_price: float = 0.0   # cost units per byte live across a cut, paid by both its stages (0: not priced)
     step_time: PredictedStepTime | None = None  # passes/step_time.py: each stage's predicted seconds, term by term
+    holders: tuple[int, ...] = ()  # the device of each stage where some hold several (a V, interleaved); (): one each
 
     @property
     def n_stages(self) -> int:
@@ -123,13 +124,25 @@ class Plan:
         return self.bottleneck / mean if mean else 1.0
 
     @property
+    def device_costs(self) -> dict[int, tuple[tuple[int, ...], float]]:
+        """Per device: the stages it holds and their summed cost, what its step runs (a device a stage where
+        ``holders`` is empty)."""
+        held: dict[int, tuple[tuple[int, ...], float]] = {}
+        for s, device in zip(self.stages, self.holders or range(self.n_stages)):
+            stages, cost = held.get(device, ((), 0.0))
+            held[device] = ((*stages, s.index), cost + s.cost)
+        return dict(sorted(held.items()))
+
+    @property
     def bubble(self) -> Fraction:
         return Fraction(self.n_stages - 1, self.chunks + self.n_stages - 1)
 
     @property
     def predicted_speedup(self) -> float:
-        """Over one device: total work / slowest stage, times the share of clock cycles not in the bubble."""
-        return float(1 - self.bubble) * self.total_cost / self.bottleneck if self.bottleneck else 1.0
+        """Over one device: total work / busiest device (its stages' sum), times the share of clock cycles not in
+        the bubble."""
+        busiest = max((cost for _, cost in self.device_costs.values()), default=0.0)
+        return float(1 - self.bubble) * self.total_cost / busiest if busiest else 1.0
 
     def validate(self, timeline: Timed) -> Validation:
         """The predicted step time (``step_time``, set by passes/step_time.py's ``predict_step_time``) beside what
@@ -177,9 +190,10 @@ class Plan:
                      f"{self.bottleneck / self.optimum:.3f}")
         lines += [f"imbalance (max/mean stage): {self.imbalance:.3f}   max / lower bound {bound:.3f}{exact}   (lower "
                   f"bound = max(total/K, largest node))",
+                  *self._device_lines(),
                   f"bubble (K - 1)/(K + M - 1) = {self.bubble} = {float(self.bubble):.3f}   predicted speedup "
-                  f"{self.predicted_speedup:.2f}x on {self.n_stages} devices (efficiency "
-                  f"{100 * self.predicted_speedup / self.n_stages:.0f}%)"]
+                  f"{self.predicted_speedup:.2f}x on {len(self.device_costs)} devices (efficiency "
+                  f"{100 * self.predicted_speedup / len(self.device_costs):.0f}%)"]
         replicas = {n: f" (on {d[0]}, replicated to {', '.join(map(str, d[1:]))} each step)"
                     for n, d in self.param_devices.items() if len(d) > 1}
         shared = [f"{n} in stages {list(s)}{replicas.get(n, '')}" for n, s in self.shared_params.items()]
@@ -193,6 +207,16 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _device_lines(self) -> list[str]:
+        """Where a device holds several stages: each device's stages and share, and the max/mean device."""
+        if len(set(self.holders)) == len(self.holders):
+            return []
+        held, total = self.device_costs, self.total_cost or 1.0
+        shares = ", ".join(f"{d} {list(stages)} {100 * cost / total:.1f}%" for d, (stages, cost) in held.items())
+        worst = max(cost for _, cost in held.values()) * len(held) / total
+        return [f"devices (the stages each holds, {self.balance} share): {shares}; imbalance "
+                f"(max/mean device): {worst:.3f}"]
 
     @property
     def param_devices(self) -> dict[str, tuple[torch.device, ...]]:
