@@ -54,9 +54,6 @@ class Options:
         if isinstance(self.balance, str) and self.balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES}, a list of per-stage weights or a Plan whose cut "
                              f"to keep, got {self.balance!r}")
-        if isinstance(self.balance, Plan) and self.balance.n_stages != len(self.devices):
-            raise ValueError(f"balance is a plan of {self.balance.n_stages} stages but {len(self.devices)} are "
-                             f"asked for: plan with as many stages (devices, schedule and virtual_stages alike)")
         if not (isinstance(self.crossing_price, (int, float)) and 0 <= self.crossing_price < float("inf")):
             raise ValueError(f"crossing_price must be a finite number >= 0 (the balance's units per byte crossing a "
                              f"cut), got {self.crossing_price!r}")
@@ -77,6 +74,9 @@ class Options:
         if checked.streams and len(checked.streams) != K:
             raise ValueError(f"Options.make: {len(checked.streams)} streams for {K} devices")
         where = [device_of_stage(checked.schedule, K, s) for s in range(K * checked.virtual_stages)]
+        if isinstance(checked.balance, Plan) and checked.balance.n_stages != len(where):
+            raise ValueError(f"balance is a plan of {checked.balance.n_stages} stages but {len(where)} are asked for: "
+                             f"plan with as many stages (devices, schedule and virtual_stages alike)")
         return replace(checked, devices=tuple(devices[d] for d in where),
                        streams=tuple(checked.streams[d] for d in where) if checked.streams else ())
 

@@ -1,7 +1,7 @@
 """The cut, measured end to end: tokens/s of autopipe's own cut against the splits people write by hand, on one
 GPT-style LM with a modern vocabulary-to-width ratio (a heavy output head), under K gloo processes.
 
-    python benchmarks/cut.py                 # K=2, 1F1B and GPipe (~5 min on 2 cores)
+    python benchmarks/cut.py                 # K=2, 1F1B, GPipe and zbv (~7 min on 2 cores)
     python benchmarks/cut.py --world 4       # K=4: only meaningful with at least 4 free cores
     python benchmarks/cut.py --quick         # tiny smoke test, not a measurement
 
@@ -19,6 +19,11 @@ Rows, per schedule, all measured in one interleaved run (the order rotates every
   embedding and the output head counted as one layer each);
 - pipelining, best layer split: the same on the layer split that measured fastest among every layer split (K=2:
   each of the L+1 boundaries, timed first under the same schedule).
+
+zbv (2K stages in a V, rank r holding r and 2K-1-r) has its own rows: autopipe's V cut, balanced per device; autopipe,
+stages balanced alone: the same runtime on the cut balanced per stage (2K stages planned under 1F1B, given as
+``balance=plan``); autopipe and pipelining's ScheduleZBVZeroBubble on the even split of 2K pieces. Its summary line
+is ``cut: <model> K=<k> zbv: auto/even <R>x, auto/stages balanced alone <T>x``; its predicted max/mean is per device.
 
 Printed: tokens/s, each row's speed over the even split (median of per-round ratios against pipelining's even
 split), the measured bubble (autopipe rows: 1 - mean busy / longest step, from each rank's Timeline), the
@@ -49,7 +54,8 @@ import autopipe  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
 from zoo import GPT  # noqa: E402
 
-PIPELINING = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+PIPELINING = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble"}
+V_LAYOUT = ("zbv",)  # 2K pieces, rank r holding pieces r and 2K-1-r
 
 
 def build(args) -> GPT:
@@ -111,18 +117,30 @@ def piece_costs(args, bounds: list[int]) -> list[float]:
     return costs
 
 
-def imbalance(costs) -> float:
+def imbalance(costs, v_layout: bool = False) -> float:
+    """max/mean over the pieces, or over the devices (each its two pieces' sum) in a V."""
+    if v_layout:
+        n = len(costs)
+        costs = [costs[d] + costs[n - 1 - d] for d in range(n // 2)]
     return max(costs) / (sum(costs) / len(costs))
 
 
 def shares(costs) -> list[float]:
-    return [c / sum(costs) for c in costs]
+    """Each piece's share of the work, at least a millionth (``balance=`` takes positive shares: an embedding alone
+    counts no FLOPs)."""
+    return [max(c / sum(costs), 1e-6) for c in costs]
 
 
 def pipelining_step(model: GPT, rank: int, k: int, schedule: str, bounds: list[int], ids, target, chunks: int):
     from torch.distributed import pipelining
+    cls = getattr(pipelining, PIPELINING[schedule])
+    if schedule in V_LAYOUT:  # the V by hand, as the docs build it: rank r holds pieces r and 2K-1-r
+        n = 2 * k
+        runner = cls([pipelining.PipelineStage(Piece(model, bounds[s], bounds[s + 1]), s, n, torch.device("cpu"))
+                      for s in (rank, n - 1 - rank)], n_microbatches=chunks, loss_fn=lm_loss)
+        return lambda: runner.step(ids, target=target, losses=[]) if rank == 0 else runner.step()
     stage = pipelining.PipelineStage(Piece(model, bounds[rank], bounds[rank + 1]), rank, k, torch.device("cpu"))
-    runner = getattr(pipelining, PIPELINING[schedule])(stage, n_microbatches=chunks, loss_fn=lm_loss)
+    runner = cls(stage, n_microbatches=chunks, loss_fn=lm_loss)
 
     def step():
         if rank == 0:
@@ -167,21 +185,34 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
         ids, target = data(args)
         even = even_split(args.blocks, k)
         even_costs = piece_costs(args, even)
-        results = {}
+        results, v_even = {}, {}
         for schedule in args.schedules:
-            best, searched = best_layer_split(args, rank, k, schedule, ids, target) if k == 2 else (even, {})
+            v = schedule in V_LAYOUT
+            if v:  # 2K pieces; no layer-split search (L^3 splits), the stage-balanced cut beside the V's own
+                even_v = even_split(args.blocks, 2 * k)
+                v_even = dict(even=even_v, costs=piece_costs(args, even_v))
+                best, searched = even_v, {}
+                alone = autopipe.plan(build(args), (ids,), devices=2 * k, chunks=args.chunks, schedule="1f1b",
+                                      checkpoint="never")  # Note [stages balanced as their device's sum]
+                rows = (("autopipe", "flops"), ("autopipe, stages balanced alone", alone),
+                        ("autopipe, even split", shares(v_even["costs"])))
+            else:
+                best, searched = best_layer_split(args, rank, k, schedule, ids, target) if k == 2 else (even, {})
+                measured = [autopipe.plan(build(args), (ids,), devices=k, chunks=args.chunks, schedule=schedule,
+                                          checkpoint="never", balance="train_time") if rank == 0 else None]
+                dist.broadcast_object_list(measured, src=0)  # one measured cut for every rank
+                given = [("autopipe, best layer split", shares(piece_costs(args, best)))] if k == 2 else []
+                rows = (("autopipe", "flops"), ("autopipe, train_time", measured[0]),
+                        ("autopipe, even split", shares(even_costs)), *given)
             models, steps, pipes = {}, {}, {}
-            measured = [autopipe.plan(build(args), (ids,), devices=k, chunks=args.chunks, schedule=schedule,
-                                      checkpoint="never", balance="train_time") if rank == 0 else None]
-            dist.broadcast_object_list(measured, src=0)  # one measured cut for every rank
-            given = [("autopipe, best layer split", shares(piece_costs(args, best)))] if k == 2 else []
-            for key, balance in (("autopipe", "flops"), ("autopipe, train_time", measured[0]),
-                                 ("autopipe, even split", shares(even_costs)), *given):
+            for key, balance in rows:
                 models[key] = model = build(args)
                 pipes[key] = autopipe.compile(model, chunks=args.chunks, schedule=schedule, balance=balance,
                                               checkpoint="never", example_inputs=(ids,), timeout=600)
                 steps[key] = lambda pipe=pipes[key]: pipe.step(ids, target=target, loss_fn=lm_loss)
-            for key, bounds in (("pipelining, even split", even), ("pipelining, best layer split", best)):
+            hand = (("pipelining, even split", best),) if v else (("pipelining, even split", even),
+                                                                   ("pipelining, best layer split", best))
+            for key, bounds in hand:
                 models[key] = model = build(args)
                 steps[key] = pipelining_step(model, rank, k, schedule, bounds, ids, target, args.chunks)
             times = timed(steps, list(models.values()), args.steps)
@@ -195,7 +226,7 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
                                      cuts={key: str(pipe.plan).splitlines()[0] for key, pipe in pipes.items()})
             for pipe in pipes.values():
                 pipe.close()
-        queue.put((rank, dict(results=results, even=even, even_costs=even_costs)))
+        queue.put((rank, dict(results=results, even=even, even_costs=even_costs, v_even=v_even)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -211,7 +242,7 @@ def main() -> None:
     p = C.parser(__doc__)
     p.add_argument("--world", type=int, default=2, help="gloo processes, one stage each (default 2)")
     p.add_argument("--steps", type=int, default=None, help="timed rounds (default 7, --quick 1)")
-    p.add_argument("--schedules", nargs="+", choices=list(PIPELINING), default=["1f1b", "gpipe"])
+    p.add_argument("--schedules", nargs="+", choices=list(PIPELINING), default=["1f1b", "gpipe", "zbv"])
     args = p.parse_args()
     k = args.world
     if args.quick:
@@ -230,10 +261,12 @@ def main() -> None:
         got = [r["results"][schedule] for r in ranks]
         times = got[0]["times"]  # rank 0's clock: every round ends at a barrier, so all ranks agree
         even_times = times["pipelining, even split"]
-        best = got[0]["best"]
-        predicted = {"pipelining, even split": imbalance(even_costs),
-                     "pipelining, best layer split": imbalance(piece_costs(args, best))}
-        predicted.update({key: imbalance(costs) for key, costs in got[0]["planned"].items()})
+        best, v = got[0]["best"], schedule in V_LAYOUT
+        predicted = {"pipelining, even split": imbalance(ranks[0]["v_even"]["costs"], True) if v else
+                     imbalance(even_costs)}
+        if not v:
+            predicted["pipelining, best layer split"] = imbalance(piece_costs(args, best))
+        predicted.update({key: imbalance(costs, v) for key, costs in got[0]["planned"].items()})
         ratio = {key: statistics.median(e / t for e, t in zip(even_times, ts)) for key, ts in times.items()}
         for key, ts in times.items():
             bubble = ""
@@ -241,10 +274,15 @@ def main() -> None:
                 busy = [g["bubbles"][key][0] for g in got]
                 span = max(g["bubbles"][key][1] for g in got)
                 bubble = f"{1 - statistics.mean(busy) / span:.3f}"
-            split = {"pipelining, even split": ranks[0]["even"], "pipelining, best layer split": best,
+            split = {"pipelining, even split": best if v else ranks[0]["even"], "pipelining, best layer split": best,
                      "autopipe, best layer split": best}.get(key)
             rows.append([schedule, key + (f" {split}" if split else ""), f"{tokens / statistics.median(ts):,.0f}",
                          C.fmt_x(ratio[key]), bubble, f"{predicted[key]:.3f}"])
+        if v:
+            alone = statistics.median(b / a for a, b in zip(times["autopipe"], times["autopipe, stages balanced alone"]))
+            summaries.append(f"cut: {model_name} K={k} {schedule}: auto/even {ratio['autopipe']:.2f}x, auto/stages "
+                             f"balanced alone {alone:.2f}x (the V's cut balanced per device, the runtime held fixed)")
+            continue
         best_times = times["pipelining, best layer split"]
         for key, label in (("autopipe", ""), ("autopipe, train_time", ' balance="train_time"')):
             s = statistics.median(b / a for a, b in zip(times[key], best_times))

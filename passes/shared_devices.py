@@ -50,8 +50,8 @@ def balance_devices(starts: Sequence[int], n_devices: int, weights: Sequence[flo
     holders = v_holders(K)
     start = [int(a) for a in starts]
     worst = max(_device_costs(start, holders, n, cost))
-    low, high, found = 0.0, worst, None
-    while high - low > 1e-9 * max(high, 1e-300):
+    low, high, found = float(prefix[-1]) / K, worst, None  # no device below the mean; to a ten-millionth of it
+    while high - low > 1e-7 * max(high, 1e-300):
         middle = (low + high) / 2
         plan = _v_plan(prefix, K, middle)
         if plan is None:

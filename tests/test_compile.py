@@ -403,5 +403,11 @@ def test_a_plan_given_as_the_balance_keeps_its_cut_through_pickle():
     assert "the cut is the given plan's (balanced by shares [1, 5])" in pipe.plan.notes
     with pytest.raises(ValueError, match="balance is a plan of 2 stages but 3 are asked for"):
         autopipe.plan(model, (x,), devices=3, balance=made)
+    # a V's plan has two stages a device: given back under the V it is kept, on as many devices it is refused
+    v_plan = autopipe.plan(model, (x,), devices=2, chunks=2, schedule="zbv", balance=[1, 2, 3, 4])
+    kept = autopipe.plan(model, (x,), devices=2, chunks=2, schedule="zbv", balance=v_plan)
+    assert [s.nodes for s in kept.stages] == [s.nodes for s in v_plan.stages]
+    with pytest.raises(ValueError, match="balance is a plan of 4 stages but 2 are asked for"):
+        autopipe.plan(model, (x,), devices=2, balance=v_plan)
     with pytest.raises(ValueError, match="chunks=auto picks among cuts, and balance= a plan fixes one"):
         autopipe.plan(model, (x,), devices=2, chunks="auto", memory_cap=1e9, balance=made)
