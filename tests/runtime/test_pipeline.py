@@ -85,17 +85,19 @@ def test_zero_bubble_holds_at_most_k_or_2k_micro_batches_on_the_first_stage(sche
 @pytest.mark.parametrize("split,fused,v", [("zb-h1", "1f1b", 1), ("zbv", "interleaved", 2)])
 def test_zero_bubble_gradients_equal_1f1bs_bit_for_bit(split, fused, v):
     """B then W computes every gradient from the same values as a fused backward, and W adds a stage's micro-batches
-    in 1F1B's order; the V cut of 2K stages is interleaved's (float32, dropout, tied embedding, recompute)."""
-    grads = {}
+    in 1F1B's order; the V is given interleaved's cut of 2K stages (``balance=plan``: its own balances each device's
+    two stages), float32, dropout, tied embedding, recompute."""
+    grads, cut = {}, "flops"
     for schedule, stages, checkpoint in ((fused, v, "never"), (split, 1, "always")):
         torch.manual_seed(0)
         model = GPT(vocab=64, d=32, heads=4, layers=4, block=16, dropout=0.1).train()
         pipe = autopipe.compile(model, devices=2, chunks=4, checkpoint=checkpoint, schedule=schedule,
-                                virtual_stages=stages)
+                                virtual_stages=stages, balance=cut)
         ids = torch.randint(0, 64, (8, 16))
         torch.manual_seed(5)
         pipe.step(ids, target=ids, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
         grads[schedule] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        cut = pipe.plan
     assert all(torch.equal(grads[fused][n], grads[split][n]) for n in grads[fused])
 
 
