@@ -4,7 +4,7 @@ stages d and 2K-1-d, runs both stages' tasks, and so takes their sum of a step, 
 
 Note [stages balanced as their device's sum]: the cut solvers balance each stage. Where one node outweighs a stage's
 share (a 32k-token LM head at 2K stages), the stage holding it sets the bottleneck and the rest come out small; in a V
-its device also holds the first stage, and a gpt_32k step at K=2 gave that device 1.39 s and the other 0.05 s. In a V,
+its device also holds the first stage, and carries most of the step (benchmarks/results/cut.txt, zbv). In a V,
 device d's stages are [l_d, l_{d+1}) and [r_{d+1}, r_d) with l_0 = 0, r_0 = N and nested pairs l_d < l_{d+1}, r_{d+1}
 < r_d, so the device sums are the differences of z_d = P[l_d] - P[r_d] (P the prefix sums), and device K-1 holds
 [l_{K-1}, r_{K-1}) whole, the middle cut anywhere in it. The least largest sum is found by bisection over a bound B:
