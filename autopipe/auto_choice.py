@@ -50,10 +50,10 @@ def choose(model, args, kwargs, options: Options, devices: Sequence[torch.device
             report["detail"] = (f"{choice.schedule}, checkpoint={choice.checkpoint!r}, chunks={choice.chunks} of "
                                 f"{len(choice.candidates)} configurations")
         if is_v_layout(choice.schedule):  # plan_for laid 2K stages round robin; the V's device d holds d, 2K-1-d
-            v_devices = [devices[device_of_stage(choice.schedule, K, s)] for s in range(2 * K)]
-            choice.chosen.plan = partition(costed, 2 * K, devices=v_devices, chunks=1, balance=options.balance,
-                                           tolerance=options.tolerance, notes=traced.notes, analysis=analysis,
-                                           holders=[device_of_stage(choice.schedule, K, s) for s in range(2 * K)])
+            holders = [device_of_stage(choice.schedule, K, s) for s in range(2 * K)]
+            choice.chosen.plan = partition(costed, 2 * K, devices=[devices[d] for d in holders], chunks=1,
+                                           balance=options.balance, tolerance=options.tolerance, notes=traced.notes,
+                                           analysis=analysis, holders=holders)
     result = replace(choice.plan, chunks=choice.chunks, notes=list(choice.plan.notes))
     result.memory, result.choice, result.pass_seconds = choice.memory, choice, progress.seconds
     return result

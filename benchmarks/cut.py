@@ -191,7 +191,7 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
             if v:  # 2K pieces; no layer-split search (L^3 splits), the stage-balanced cut beside the V's own
                 even_v = even_split(args.blocks, 2 * k)
                 v_even = dict(even=even_v, costs=piece_costs(args, even_v))
-                best, searched = even_v, {}
+                best, searched = None, {}  # no layer-split rows
                 alone = autopipe.plan(build(args), (ids,), devices=2 * k, chunks=args.chunks, schedule="1f1b",
                                       checkpoint="never")  # Note [stages balanced as their device's sum]
                 rows = (("autopipe", "flops"), ("autopipe, stages balanced alone", alone),
@@ -210,8 +210,8 @@ def rank_main(rank: int, k: int, port: int, args, queue) -> None:
                 pipes[key] = autopipe.compile(model, chunks=args.chunks, schedule=schedule, balance=balance,
                                               checkpoint="never", example_inputs=(ids,), timeout=600)
                 steps[key] = lambda pipe=pipes[key]: pipe.step(ids, target=target, loss_fn=lm_loss)
-            hand = (("pipelining, even split", best),) if v else (("pipelining, even split", even),
-                                                                   ("pipelining, best layer split", best))
+            hand = (("pipelining, even split", even_v),) if v else (("pipelining, even split", even),
+                                                                     ("pipelining, best layer split", best))
             for key, bounds in hand:
                 models[key] = model = build(args)
                 steps[key] = pipelining_step(model, rank, k, schedule, bounds, ids, target, args.chunks)
@@ -274,7 +274,8 @@ def main() -> None:
                 busy = [g["bubbles"][key][0] for g in got]
                 span = max(g["bubbles"][key][1] for g in got)
                 bubble = f"{1 - statistics.mean(busy) / span:.3f}"
-            split = {"pipelining, even split": best if v else ranks[0]["even"], "pipelining, best layer split": best,
+            split = {"pipelining, even split": ranks[0]["v_even"]["even"] if v else ranks[0]["even"],
+                     "pipelining, best layer split": best,
                      "autopipe, best layer split": best}.get(key)
             rows.append([schedule, key + (f" {split}" if split else ""), f"{tokens / statistics.median(ts):,.0f}",
                          C.fmt_x(ratio[key]), bubble, f"{predicted[key]:.3f}"])

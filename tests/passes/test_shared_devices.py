@@ -17,10 +17,11 @@ from autopipe.passes.cut_solver import CutProblem, solve_cuts
 from autopipe.passes.shared_devices import v_holders
 
 
-def _chain(weights, K, tolerance=0.0, kept=()):
+def _chain(weights, K, tolerance=0.0, kept=(), v=True):
+    """2K stages of a chain, cut as a V of K devices (``v``) or per stage."""
     n = len(weights)
     return CutProblem(weights=weights, out_bytes=[1] * n, consumers=[[i + 1] if i + 1 < n else [] for i in range(n)],
-                      n_stages=2 * K, tolerance=tolerance, v_devices=K, kept_whole=kept)
+                      n_stages=2 * K, tolerance=tolerance, v_devices=K if v else 0, kept_whole=kept)
 
 
 def _device_max(weights, starts, K):
@@ -56,7 +57,6 @@ def test_lm_chains_get_the_least_device_sum_of_every_v_cut():
     for trial in range(60):
         K = 2 if trial % 2 else 3
         weights = _lm_chain(rng, rng.randint(4, 10) if K == 2 else rng.randint(3, 5))
-        n = len(weights)
         best = _least_device_max(weights, K)
         got = _device_max(weights, solve_cuts(_chain(weights, K)).starts, K)
         ratios.append(got / best)
@@ -68,8 +68,7 @@ def test_a_heavy_head_shares_its_device_with_the_blocks_not_the_embedding_alone(
     """A head of eight blocks' work at K=2: the stage-balanced cut gives the head a stage and device 0 another of
     blocks beside it, 0.6 of the work; the V cut gives each device half, to a block."""
     weights = [0.1] + [1.0] * 12 + [8.0]
-    stage_balanced = solve_cuts(CutProblem(weights=weights, out_bytes=[1] * 14, consumers=[[i + 1] for i in range(13)]
-                                           + [[]], n_stages=4))
+    stage_balanced = solve_cuts(_chain(weights, 2, v=False))
     v = solve_cuts(_chain(weights, 2))
     total = sum(weights)
     assert _device_max(weights, stage_balanced.starts, 2) > 0.55 * total
@@ -92,8 +91,7 @@ def test_any_chain_gets_a_v_cut_no_worse_than_the_stage_balanced_one(case):
     spent on crossings, at most its (1 + tolerance))."""
     weights, K, tolerance = case
     n = len(weights)
-    plain = solve_cuts(CutProblem(weights=weights, out_bytes=[1] * n, n_stages=2 * K, tolerance=tolerance,
-                                  consumers=[[i + 1] if i + 1 < n else [] for i in range(n)]))
+    plain = solve_cuts(_chain(weights, K, tolerance, v=False))
     v = solve_cuts(_chain(weights, K, tolerance))
     assert v.starts[0] == 0 and all(a < b for a, b in zip(v.starts, list(v.starts[1:]) + [n]))
     assert _device_max(weights, v.starts, K) <= (1 + tolerance) * _device_max(weights, plain.starts, K) + 1e-9
