@@ -80,14 +80,14 @@ def _v_plan(prefix: np.ndarray, K: int, bound: float) -> list[int] | None:
     layers: list[dict[int, tuple[int, int]]] = [{0: (n, -1)}]  # per device: l -> (its least r, the l before)
     for d in range(1, K):
         need = 2 * (K - d)  # stages d .. 2K-1-d lie in [l_d, r_d), a node each at least
-        entries = sorted((l, r) for l, (r, _) in layers[-1].items())
+        entries = sorted((left, r) for left, (r, _) in layers[-1].items())
         reached: dict[int, tuple[int, int]] = {}
         heap: list[tuple[float, int, int]] = []  # (remaining work, l, r) of the pairs before
         k = 0
         for lp in range(d, n - need + 1):
             while k < len(entries) and entries[k][0] < lp:
-                l, r = entries[k]
-                heapq.heappush(heap, (P[r] - P[l], l, r))
+                left, r = entries[k]
+                heapq.heappush(heap, (P[r] - P[left], left, r))
                 k += 1
             # a pair that can reach no l' here reaches none further: its device with one node on the right is over
             # the bound, or too few nodes are left inside
@@ -95,22 +95,23 @@ def _v_plan(prefix: np.ndarray, K: int, bound: float) -> list[int] | None:
                             or heap[0][2] < lp + need + 1):
                 heapq.heappop(heap)
             if heap:
-                remaining, l, r = heap[0]
+                remaining, left, r = heap[0]
                 rp = max(int(np.searchsorted(prefix, P[lp] + remaining - bound, side="left")), lp + need)
                 if rp < r:
-                    reached[lp] = (rp, l)
+                    reached[lp] = (rp, left)
         if not reached:
             return None
         layers.append(reached)
-    last = next((l for l, (r, _) in sorted(layers[-1].items()) if P[r] - P[l] <= bound and r - l >= 2), None)
+    last = next((left for left, (r, _) in sorted(layers[-1].items()) if P[r] - P[left] <= bound and r - left >= 2),
+                None)
     if last is None:
         return None
-    lefts, rights, l = [], [], last
+    lefts, rights, left = [], [], last
     for layer in reversed(layers[1:]):
-        r, before = layer[l]
-        lefts.append(l)
+        r, before = layer[left]
+        lefts.append(left)
         rights.append(r)
-        l = before
+        left = before
     lefts = [0] + lefts[::-1]  # l_0 .. l_{K-1}
     return lefts + [lefts[-1] + 1] + rights  # rights: r_{K-1} .. r_1, the starts of stages K+1 .. 2K-1
 
