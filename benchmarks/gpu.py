@@ -14,7 +14,7 @@ with --device cpu in float32 (autocast off: bf16 is slow on CPUs without bf16 un
 Variants, interleaved round by round (benchmarks/_common.py): the plain model, the plain model looped over
 M micro-batches with gradients accumulated (Note [micro-batching's own cost]), and
 autopipe.compile(model, devices=["cuda:0"] * K, chunks=M, checkpoint="never") for K in {1, 2, 4},
-M in {1, 4, 8}. Every variant ends with torch.cuda.synchronize(), so a timed call is the whole step on the GPU.
+M in {1, 4, 8} (--tiny: K in {1, 2}, M in {1, 4}). Every variant ends with torch.cuda.synchronize(), so a timed call is the whole step on the GPU.
 
 All K stages share one GPU and its default stream: they cannot run at the same time, so nothing here
 can be faster than the plain model. The table is autopipe's cost on a GPU: K worker threads, M
@@ -38,6 +38,7 @@ from benchmarks import _common as C  # noqa: E402
 from zoo import GPT, ResNet50  # noqa: E402
 
 KS, MS = (1, 2, 4), (1, 4, 8)
+TINY_KS, TINY_MS = (1, 2), (1, 4)  # a smoke run of every code path: the larger K and M run the same code
 GOAL = 1.03  # K=1, M=1 vs plain
 
 
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
     for name in names:
         batch = args.gpt_batch if name == "transformer" else args.cnn_batch
         description, got_rows, got_notes = measure(name, build(name, args.tiny, device, args.layers, batch), device,
-                                                   args.checkpoint, repeats=repeats, warmup=warmup, budget=budget)
+                                                   args.checkpoint, repeats=repeats, warmup=warmup, budget=budget,
+                                                   grid=(TINY_KS, TINY_MS) if args.tiny else (KS, MS))
         described.append(f"model {name}: {description}")
         rows += got_rows
         notes += got_notes
@@ -183,8 +185,10 @@ def slices_main(args, device: torch.device) -> int:
 
 
 def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats: int, warmup: int,
-            budget: float) -> tuple[str, list[list], list[str]]:
-    """Time the plain model and every (K, M) pipeline of one model, interleaved; (description, rows, notes)."""
+            budget: float, grid: tuple[tuple[int, ...], tuple[int, ...]] = (KS, MS)) -> tuple[str, list[list], list[str]]:
+    """Time the plain model and every (K, M) pipeline of ``grid`` (Ks, Ms) of one model, interleaved; (description,
+    rows, notes)."""
+    ks, ms = grid
     description, model, x, y, loss_fn = built
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -198,8 +202,8 @@ def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats:
         return run
 
     pipes = {}
-    for K in KS:
-        for M in MS:
+    for K in ks:
+        for M in ms:
             C.progress(f"{name}: compiling K={K} M={M}")
             pipes[(K, M)] = autopipe.compile(model, devices=[str(device)] * K, chunks=M, checkpoint=checkpoint,
                                              example_inputs=(x,), intra_op_threads=torch.get_num_threads())
@@ -213,7 +217,7 @@ def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats:
             sync()
         return run
 
-    variants = {"plain": step(model), **{f"loop M{M}": loop(M) for M in MS if M > 1},
+    variants = {"plain": step(model), **{f"loop M{M}": loop(M) for M in ms if M > 1},
                 **{f"K{K} M{M}": step(pipe) for (K, M), pipe in pipes.items()}}
     C.progress(f"{name}: {len(variants)} variants, {warmup} warm-up + {repeats} rounds, budget {budget:.0f} s")
     t = C.interleaved(variants, repeats=repeats, warmup=warmup, budget=budget, label=f"{name} ")
@@ -221,7 +225,7 @@ def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats:
 
     rows = [[name, "plain", "-", f"{1e3 * t.median('plain'):.2f}", "1.00x", "-", "-", "-", "-", "-", peaks["plain"]]]
     rows += [[name, "loop", M, f"{1e3 * t.median(f'loop M{M}'):.2f}", f"{t.ratio(f'loop M{M}', 'plain'):.3f}x",
-              t.spread(f"loop M{M}", "plain"), "1.00x", "-", "-", "-", peaks[f"loop M{M}"]] for M in MS if M > 1]
+              t.spread(f"loop M{M}", "plain"), "1.00x", "-", "-", "-", peaks[f"loop M{M}"]] for M in ms if M > 1]
     for (K, M), pipe in pipes.items():
         key, tl = f"K{K} M{M}", pipe.timeline
         busy = sum(tl.busy(d) for d in range(K))
