@@ -14,7 +14,8 @@ with --device cpu in float32 (autocast off: bf16 is slow on CPUs without bf16 un
 Variants, interleaved round by round (benchmarks/_common.py): the plain model, the plain model looped over
 M micro-batches with gradients accumulated (Note [micro-batching's own cost]), and
 autopipe.compile(model, devices=["cuda:0"] * K, chunks=M, checkpoint="never") for K in {1, 2, 4},
-M in {1, 4, 8} (--tiny: K in {1, 2}, M in {1, 4}). Every variant ends with torch.cuda.synchronize(), so a timed call is the whole step on the GPU.
+M in {1, 4, 8} (--tiny: K in {1, 2}, M in {1, 4}). Every variant ends with torch.cuda.synchronize(), so a
+timed call is the whole step on the GPU.
 
 All K stages share one GPU and its default stream: they cannot run at the same time, so nothing here
 can be faster than the plain model. The table is autopipe's cost on a GPU: K worker threads, M
@@ -56,7 +57,7 @@ def build(name: str, tiny: bool, device: torch.device, layers: int, batch: int |
         return description, model.to(device), x.to(device), y.to(device), \
             lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
     if name == "cnn":
-        # tiny: one bottleneck per stage on 16x16 images (layer3 and 4 are 1x1: >= 2 images per micro-batch for BatchNorm)
+        # tiny: one bottleneck per layer on 16x16 images (layer3 and 4 are 1x1: >= 2 images per micro-batch for BatchNorm)
         blocks, classes, size, batch = ((1, 1, 1, 1), 10, 16, batch or 16) if tiny else ((3, 4, 6, 3), 1000, 224, batch or 128)
         model = ResNet50(layers=blocks, num_classes=classes)
         x, y = torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
@@ -185,7 +186,7 @@ def slices_main(args, device: torch.device) -> int:
 
 
 def measure(name: str, built, device: torch.device, checkpoint: str, *, repeats: int, warmup: int,
-            budget: float, grid: tuple[tuple[int, ...], tuple[int, ...]] = (KS, MS)) -> tuple[str, list[list], list[str]]:
+            budget: float, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[str, list[list], list[str]]:
     """Time the plain model and every (K, M) pipeline of ``grid`` (Ks, Ms) of one model, interleaved; (description,
     rows, notes)."""
     ks, ms = grid
